@@ -1,0 +1,25 @@
+"""Kiln: fast PyTorch training through torch.compile, on one device or many.
+
+The public names; each lives in the module named beside it.
+"""
+
+from kiln.accelerator import Accelerator
+from kiln.checkpoint import load_model
+from kiln.compile.regions import KilnCompileWarning, compile_regions, find_repeated_blocks
+from kiln.compile.report import CompileReport, compile_report
+from kiln.plugins import TorchDynamoPlugin
+from kiln.state import DistributedType
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Accelerator",
+    "CompileReport",
+    "DistributedType",
+    "KilnCompileWarning",
+    "TorchDynamoPlugin",
+    "compile_regions",
+    "compile_report",
+    "find_repeated_blocks",
+    "load_model",
+]

@@ -1,0 +1,342 @@
+"""The facade a training loop talks to: `Accelerator` holds the settings and delegates each step.
+
+Depends on every Kiln module; nothing in Kiln imports it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+import weakref
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from kiln.accumulation import GradientState
+from kiln.checkpoint import clean_state_dict, save_state_dict
+from kiln.compile.regions import compile_full, compile_regions, uncompile
+from kiln.compile.report import CompileReport, compile_report
+from kiln.data import PreparedDataLoader
+from kiln.optim import PreparedOptimizer, PreparedScheduler
+from kiln.plugins import DISABLED_BACKENDS, TorchDynamoPlugin, parse_bool
+from kiln.precision import Precision, remove_precision_wrapper
+from kiln.state import DistributedType, ProcessState
+
+
+class Accelerator:
+    """Makes a PyTorch training loop run compiled, in mixed precision, with gradient accumulation.
+
+    >>> accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(use_regional_compilation=True),
+    ...                           mixed_precision="bf16", gradient_accumulation_steps=4)
+    >>> model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int = 1,
+        cpu: bool = False,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        dynamo_backend: str | None = None,
+        step_scheduler_with_optimizer: bool = True,
+    ) -> None:
+        self.state = ProcessState(cpu=cpu or _env_flag("KILN_USE_CPU"))
+        self.device_placement = device_placement
+        self.precision = Precision(mixed_precision or os.environ.get("KILN_MIXED_PRECISION"), self.device)
+        self.gradient_state = GradientState(gradient_accumulation_steps)
+        self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self._models: list[nn.Module] = []
+        self._optimizers: list[PreparedOptimizer] = []
+        self._schedulers: list[PreparedScheduler] = []
+        self._dataloaders: list[PreparedDataLoader] = []
+        # Both what the user passed and what prepare returned, so neither is prepared twice.
+        self._prepared: weakref.WeakSet = weakref.WeakSet()
+
+    # ----- process facts -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.num_processes > 1
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.precision.mode
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.num_steps
+
+    @property
+    def sync_gradients(self) -> bool:
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on the main process only."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    # ----- prepare -------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Make models, optimizers, dataloaders and schedulers ready; returned in the order given.
+
+        Schedulers are prepared last, whatever their position, so they find their optimizer.
+        """
+        if device_placement is not None and len(device_placement) != len(objects):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(objects)} objects")
+        placements = device_placement or [None] * len(objects)
+        for obj in objects:
+            self._refuse_second_prepare(obj)
+        if len({id(o) for o in objects}) != len(objects):
+            raise ValueError("the same object was passed to prepare twice in one call")
+        results: list[Any] = [None] * len(objects)
+        for i, (obj, place) in enumerate(zip(objects, placements)):
+            if isinstance(obj, nn.Module):
+                results[i] = self.prepare_model(obj, device_placement=place)
+            elif isinstance(obj, torch.optim.Optimizer):
+                results[i] = self.prepare_optimizer(obj, device_placement=place)
+            elif isinstance(obj, DataLoader):
+                results[i] = self.prepare_data_loader(obj, device_placement=place)
+        for i, obj in enumerate(objects):
+            if results[i] is None:
+                if not _is_scheduler(obj):
+                    raise TypeError(
+                        f"prepare() got a {type(obj).__name__}; it takes nn.Module, torch.optim.Optimizer, "
+                        "DataLoader and LR schedulers"
+                    )
+                results[i] = self.prepare_scheduler(obj)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        """Device, then compile (in place), then the precision wrapper around the compiled forward."""
+        self._refuse_second_prepare(model)
+        if device_placement if device_placement is not None else self.device_placement:
+            model.to(self.device)
+        # Compile before the autocast wrapper: the wrapper then calls the compiled forward, and
+        # every compiled region runs inside autocast (DESIGN.md, "mixed precision must not hide").
+        if self.dynamo_plugin is not None and self.dynamo_plugin.enabled:
+            kwargs = self.dynamo_plugin.to_compile_kwargs()
+            if self.dynamo_plugin.use_regional_compilation:
+                compile_regions(model, block_classes=self.dynamo_plugin.block_classes,
+                                block_paths=self.dynamo_plugin.block_paths, **kwargs)
+            else:
+                compile_full(model, **kwargs)
+        self.precision.wrap_forward(model)
+        if evaluation_mode:
+            model.eval()
+        self._models.append(model)
+        self._prepared.add(model)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          device_placement: bool | None = None) -> PreparedOptimizer:
+        self._refuse_second_prepare(optimizer)
+        if (device_placement if device_placement is not None else self.device_placement) and optimizer.state:
+            # Loaded optimizer state may sit on another device; a state_dict round trip moves it
+            # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).
+            optimizer.load_state_dict(optimizer.state_dict())
+        prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler)
+        self._optimizers.append(prepared)
+        self._prepared.add(optimizer)
+        self._prepared.add(prepared)
+        return prepared
+
+    def prepare_data_loader(self, dataloader: DataLoader,
+                            device_placement: bool | None = None) -> PreparedDataLoader:
+        self._refuse_second_prepare(dataloader)
+        place = device_placement if device_placement is not None else self.device_placement
+        prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state)
+        self._dataloaders.append(prepared)
+        self._prepared.add(dataloader)
+        self._prepared.add(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
+        self._refuse_second_prepare(scheduler)
+        wrapped = getattr(scheduler, "optimizer", None)
+        optimizers = [opt for opt in self._optimizers if opt.optimizer is wrapped or opt is wrapped]
+        if wrapped is not None and not optimizers:
+            warnings.warn(
+                "this scheduler's optimizer was not prepared; prepare the optimizer too (in the same "
+                "call is fine), or the scheduler cannot skip the steps that fp16 overflow skips",
+                UserWarning,
+                stacklevel=3,
+            )
+        prepared = PreparedScheduler(scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer)
+        self._schedulers.append(prepared)
+        self._prepared.add(scheduler)
+        self._prepared.add(prepared)
+        return prepared
+
+    def _refuse_second_prepare(self, obj: Any) -> None:
+        try:
+            seen = obj in self._prepared
+        except TypeError:  # not weak-referenceable: cannot have been recorded
+            return
+        if seen:
+            raise ValueError(
+                f"this {type(obj).__name__} was already prepared by this Accelerator; "
+                "prepare each object once and keep using what prepare returned"
+            )
+
+    # ----- the training step ---------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward()`, divided over the accumulation steps and scaled for fp16."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        if self.scaler is not None:
+            loss = self.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: nn.Module) -> Iterator[None]:
+        """One micro-batch: sets `sync_gradients` for the optimizer and scheduler steps inside it."""
+        self.gradient_state.advance()
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for model in models:
+                    stack.enter_context(self.no_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        """Skip gradient synchronisation across processes (nothing to skip on one process)."""
+        context = getattr(model, "no_sync", None)
+        with context() if callable(context) else contextlib.nullcontext():
+            yield
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast as configured by `mixed_precision`, for code outside the prepared model."""
+        return self.precision.autocast()
+
+    def unscale_gradients(self, optimizer: PreparedOptimizer | None = None) -> None:
+        for opt in [optimizer] if optimizer is not None else self._optimizers:
+            opt.unscale_gradients()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradient norm, after removing the fp16 loss scale; returns the total norm."""
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # ----- models out ----------------------------------------------------------------------
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        """The user's own module.
+
+        Kiln compiles in place, so this is the very object that was prepared. With
+        `keep_fp32_wrapper=False` its autocast wrapper is removed, and with `keep_torch_compile=False`
+        its compiled forwards are, both in place.
+        """
+        while isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or _is_parallel_wrapper(model):
+            model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
+        if not (keep_fp32_wrapper and keep_torch_compile):
+            # The autocast wrapper holds the compiled forward of a full compile: peel it off first.
+            had_wrapper = remove_precision_wrapper(model)
+            if not keep_torch_compile:
+                uncompile(model)
+            if keep_fp32_wrapper and had_wrapper:
+                self.precision.wrap_forward(model)
+        return model
+
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The model's weights under the plain model's names, whatever wrappers it went through."""
+        module = self.unwrap_model(model) if unwrap else model
+        return clean_state_dict(module.state_dict())
+
+    def save_model(self, model: nn.Module, save_directory: str | os.PathLike,
+                   max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
+        """Write the weights as safetensors (shards past `max_shard_size`), loadable by `kiln.load_model`."""
+        state_dict = self.get_state_dict(model)
+        if self.is_main_process:
+            save_state_dict(state_dict, save_directory, max_shard_size, safe_serialization)
+        self.wait_for_everyone()
+
+    def compile_report(self) -> CompileReport:
+        """Per compiled region: instances sharing it, graphs built, compiled calls run."""
+        return compile_report(*self._models)
+
+
+def _choose_dynamo_plugin(plugin: TorchDynamoPlugin | None, backend: str | None) -> TorchDynamoPlugin | None:
+    if plugin is not None and backend is not None:
+        raise ValueError(
+            "pass either dynamo_plugin or dynamo_backend, not both "
+            "(dynamo_backend='x' is short for dynamo_plugin=TorchDynamoPlugin(backend='x'))"
+        )
+    if plugin is not None:
+        if not isinstance(plugin, TorchDynamoPlugin):
+            raise TypeError(f"dynamo_plugin must be a TorchDynamoPlugin, got {type(plugin).__name__}")
+        return plugin
+    backend = backend if backend is not None else os.environ.get("KILN_DYNAMO_BACKEND")
+    if backend is None or str(backend).strip().lower() in DISABLED_BACKENDS:
+        return None
+    return TorchDynamoPlugin(backend=backend)
+
+
+def _env_flag(name: str) -> bool:
+    raw = os.environ.get(name)
+    return parse_bool(raw, name) if raw is not None else False
+
+
+def _is_scheduler(obj: Any) -> bool:
+    lr_scheduler = torch.optim.lr_scheduler
+    base = getattr(lr_scheduler, "LRScheduler", getattr(lr_scheduler, "_LRScheduler", None))
+    return isinstance(obj, base) or isinstance(obj, lr_scheduler.ReduceLROnPlateau) or (
+        hasattr(obj, "step") and hasattr(obj, "optimizer") and hasattr(obj, "state_dict")
+    )
+
+
+def _is_parallel_wrapper(model: nn.Module) -> bool:
+    parallel = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    return isinstance(model, parallel)

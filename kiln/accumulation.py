@@ -1,0 +1,37 @@
+"""Gradient accumulation bookkeeping: when gradients are synchronised and the optimizer may step.
+
+Depends on nothing in Kiln. The prepared dataloaders tell it when an epoch ends, so the last,
+possibly partial, accumulation window of an epoch still steps.
+"""
+
+from __future__ import annotations
+
+
+class GradientState:
+    """Shared by the accelerator, its prepared optimizers, schedulers and dataloaders."""
+
+    def __init__(self, num_steps: int = 1) -> None:
+        if not isinstance(num_steps, int) or isinstance(num_steps, bool) or num_steps < 1:
+            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {num_steps!r}")
+        self.num_steps = num_steps
+        self.sync_gradients = True
+        self.end_of_dataloader = False
+        self.step = 0  # micro-batches seen in the current accumulation window
+        self.active_dataloaders = 0
+
+    def advance(self) -> None:
+        """Called once per micro-batch by `Accelerator.accumulate`."""
+        self.step += 1
+        at_boundary = self.step % self.num_steps == 0
+        if at_boundary or (self.active_dataloaders and self.end_of_dataloader):
+            self.sync_gradients = True
+            self.step = 0
+        else:
+            self.sync_gradients = False
+
+    def begin_dataloader(self) -> None:
+        self.active_dataloaders += 1
+        self.end_of_dataloader = False
+
+    def end_dataloader(self) -> None:
+        self.active_dataloaders = max(0, self.active_dataloaders - 1)

@@ -1,0 +1,175 @@
+"""Model weights on disk: clean keys, safetensors shards, tied weights, atomic writes.
+
+Depends on torch and safetensors only; never imports the facade or the compile package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+SAFE_WEIGHTS = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+TORCH_WEIGHTS = "pytorch_model.bin"
+# torch.compile's OptimizedModule puts "_orig_mod." into every name below it. Kiln compiles in
+# place and adds none, but a user may have compiled a submodule themselves.
+COMPILE_SEGMENT = "_orig_mod"
+_WEIGHT_FILE = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|pytorch_model\.bin)$")
+
+
+def clean_key(key: str) -> str:
+    """A parameter name as the plain model spells it: torch.compile's segment removed at any depth.
+
+    Distributed wrappers ("module.") are removed by unwrapping the model before its state_dict is
+    taken, not here, since a user's own submodule may be called "module".
+    """
+    return ".".join(p for p in key.split(".") if p != COMPILE_SEGMENT)
+
+
+def clean_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
+    cleaned: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        new_key = clean_key(key)
+        if new_key in cleaned:
+            raise ValueError(f"two parameters map to {new_key!r} after removing wrapper prefixes")
+        cleaned[new_key] = value
+    return cleaned
+
+
+def parse_size(size: int | str) -> int:
+    """'10GB', '500MB', '2GiB' or a number of bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
+    if not match:
+        raise ValueError(f"cannot read size {size!r}; write it like '10GB', '500MB' or a number of bytes")
+    number, unit = float(match.group(1)), match.group(2)
+    base = 1024 if "I" in unit else 1000
+    power = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}[unit[0]]
+    return int(number * base**power)
+
+
+def _dedupe_tied(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses shared storage: keep the first name of each tied tensor, remember the rest."""
+    kept: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for key, tensor in state_dict.items():
+        identity = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
+                    tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if tensor.numel() and identity in seen:
+            tied[key] = seen[identity]
+            continue
+        seen[identity] = key
+        kept[key] = tensor.detach().contiguous().cpu()
+    return kept, tied
+
+
+def _shards(state_dict: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for key, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = tensor
+        size += nbytes
+    return shards
+
+
+def save_state_dict(state_dict: dict[str, torch.Tensor], save_directory: str | os.PathLike,
+                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> list[Path]:
+    """Write weights as `model.safetensors` (or numbered shards and an index), atomically.
+
+    Everything is written into a temporary folder beside the target and moved into place once
+    complete; weight files of an earlier save in the same folder are replaced, never mixed in.
+    """
+    target = Path(save_directory)
+    if target.exists() and not target.is_dir():
+        raise NotADirectoryError(f"save_model needs a directory, and {target} is a file")
+    target.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in state_dict.items() if isinstance(v, torch.Tensor)}
+    skipped = sorted(set(state_dict) - set(tensors))
+    if skipped:
+        raise TypeError(f"state_dict entries that are not tensors cannot be saved as weights: {skipped}")
+    staging = Path(tempfile.mkdtemp(prefix=".kiln-save-", dir=target))
+    try:
+        if safe_serialization:
+            written = _write_safetensors(tensors, staging, parse_size(max_shard_size))
+        else:
+            torch.save({k: v.detach().cpu() for k, v in tensors.items()}, staging / TORCH_WEIGHTS)
+            written = [TORCH_WEIGHTS]
+        for old in target.iterdir():
+            if old.is_file() and _WEIGHT_FILE.match(old.name) and old.name not in written:
+                old.unlink()
+        for name in written:
+            os.replace(staging / name, target / name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [target / name for name in written]
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_bytes: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    kept, tied = _dedupe_tied(tensors)
+    metadata = {"format": "pt", "kiln_tied": json.dumps(tied)}
+    shards = _shards(kept, max_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SAFE_WEIGHTS), metadata=metadata)
+        return [SAFE_WEIGHTS]
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(folder / name), metadata=metadata)
+        weight_map.update({key: name for key in shard})
+    total = sum(t.numel() * t.element_size() for t in kept.values())
+    index = {"metadata": {"total_size": total, "kiln_tied": tied}, "weight_map": weight_map}
+    (folder / SAFE_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
+    return names + [SAFE_INDEX]
+
+
+def load_state_dict(save_directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read what `save_state_dict` wrote (single file, shards or torch pickle), tied names restored."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    folder = Path(save_directory)
+    if (folder / SAFE_INDEX).is_file():
+        index = json.loads((folder / SAFE_INDEX).read_text())
+        state: dict[str, torch.Tensor] = {}
+        for name in sorted(set(index["weight_map"].values())):
+            path = folder / name
+            if not path.is_file():
+                raise FileNotFoundError(f"shard {path} named in {folder / SAFE_INDEX} is missing")
+            state.update(load_file(str(path)))
+        tied = index["metadata"].get("kiln_tied", {})
+    elif (folder / SAFE_WEIGHTS).is_file():
+        state = load_file(str(folder / SAFE_WEIGHTS))
+        with safe_open(str(folder / SAFE_WEIGHTS), framework="pt") as handle:
+            tied = json.loads((handle.metadata() or {}).get("kiln_tied", "{}"))
+    elif (folder / TORCH_WEIGHTS).is_file():
+        return torch.load(folder / TORCH_WEIGHTS, map_location="cpu", weights_only=True)
+    else:
+        raise FileNotFoundError(f"no weights in {folder}: expected {SAFE_WEIGHTS}, {SAFE_INDEX} or {TORCH_WEIGHTS}")
+    for alias, source in tied.items():
+        state[alias] = state[source]
+    return state
+
+
+def load_model(model: nn.Module, save_directory: str | os.PathLike, strict: bool = True) -> nn.Module:
+    """Load weights written by `Accelerator.save_model` into a plain model.
+
+    >>> load_model(MyModel(), "out/")
+    """
+    model.load_state_dict(load_state_dict(save_directory), strict=strict)
+    return model

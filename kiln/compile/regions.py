@@ -1,0 +1,274 @@
+"""Regional compilation: find the repeated blocks of a model and compile each block class once, in place.
+
+Depends on torch and kiln.compile.backend only; never on the facade or a distributed strategy.
+
+How a region is compiled, and why not with `module.compile()`:
+`module.compile()` compiles `nn.Module._call_impl`, one code object shared by every module in the
+process, and Dynamo's recompile limit (8 by default) counts entries per code object. Two block
+classes under fp32 and bf16, train and eval, exhaust it, and every later variant then runs eagerly
+with one log line (seen with torch 2.13). Kiln instead gives each block class its own small entry
+function, with a code object of its own, compiles that once, and binds it as the `forward` of every
+instance. The module keeps its class, its `state_dict` keys and its hooks (they run, eagerly,
+around the compiled forward, as FSDP2 and DeepSpeed need).
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from kiln.compile.backend import TrackedBackend, resolve_backend
+from kiln.plugins import validate_backend, validate_mode_and_options
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_REGIONS: "weakref.WeakKeyDictionary[nn.Module, list[CompiledRegion]]" = weakref.WeakKeyDictionary()
+
+
+class KilnCompileWarning(UserWarning):
+    """Something about compilation the user should know: a fallback, a skipped step."""
+
+
+@dataclass
+class CompiledRegion:
+    """One compiled block class (or the whole model) and the instances that share its code."""
+
+    name: str
+    block_class: type
+    paths: list[str]
+    backend: TrackedBackend
+    kind: str  # "block" or "full"
+    compiled_forward: Callable = field(repr=False)
+
+    @property
+    def instances(self) -> int:
+        return len(self.paths)
+
+    @property
+    def graphs(self) -> int:
+        return self.backend.graph_count
+
+    @property
+    def calls(self) -> int:
+        return self.backend.calls
+
+
+def is_builtin_module(module: nn.Module) -> bool:
+    """True for torch's own layers (nn.Linear, nn.LayerNorm, ...): single ops, not worth a region."""
+    return type(module).__module__.split(".")[0] == "torch"
+
+
+def find_repeated_blocks(model: nn.Module) -> dict[type, list[str]]:
+    """Block classes that appear two or more times in one container, with their module paths.
+
+    Looks in every `nn.ModuleList`, `nn.Sequential` and `nn.ModuleDict`, at any depth, and does not
+    look inside a block once chosen (no region inside a region). torch's own layers are skipped.
+
+    >>> find_repeated_blocks(gpt2)  # {GPT2Block: ['transformer.h.0', ..., 'transformer.h.11']}
+    """
+    found: dict[type, list[str]] = {}
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        chosen: set[str] = set()
+        if isinstance(module, CONTAINERS):
+            by_class: dict[type, list[str]] = {}
+            for name, child in module.named_children():
+                if not is_builtin_module(child):
+                    by_class.setdefault(type(child), []).append(name)
+            for cls, names in by_class.items():
+                if len(names) >= 2:
+                    found.setdefault(cls, []).extend(_join(prefix, n) for n in names)
+                    chosen.update(names)
+        for name, child in module.named_children():
+            if name not in chosen:
+                visit(child, _join(prefix, name))
+
+    visit(model, "")
+    return found
+
+
+def select_blocks(
+    model: nn.Module,
+    block_classes: Sequence[type | str] | None = None,
+    block_paths: Sequence[str] | None = None,
+) -> dict[type, list[str]]:
+    """The regions to compile: the user's choice when given, else `find_repeated_blocks`."""
+    if not block_classes and not block_paths:
+        return find_repeated_blocks(model)
+    modules = dict(model.named_modules())
+    chosen: dict[type, list[str]] = {}
+    for path in block_paths or ():
+        if path not in modules or path == "":
+            raise ValueError(f"no submodule at path {path!r}; the model's top-level children are: "
+                             f"{', '.join(n for n, _ in model.named_children())}")
+        chosen.setdefault(type(modules[path]), []).append(path)
+    for wanted in block_classes or ():
+        paths = [p for p, m in modules.items() if p and _class_matches(type(m), wanted)]
+        if not paths:
+            present = sorted({type(m).__name__ for m in modules.values() if not is_builtin_module(m)})
+            raise ValueError(f"no module of class {_class_label(wanted)} in the model; "
+                             f"its own classes are: {', '.join(present)}")
+        for path in paths:
+            chosen.setdefault(type(modules[path]), []).append(path)
+    all_paths = sorted({p for ps in chosen.values() for p in ps})
+    for outer in all_paths:
+        for inner in all_paths:
+            if inner.startswith(outer + "."):
+                raise ValueError(f"region {inner!r} lies inside region {outer!r}; choose one of them")
+    return {cls: sorted(set(paths), key=all_paths.index) for cls, paths in chosen.items()}
+
+
+def compile_regions(
+    model: nn.Module,
+    *,
+    block_classes: Sequence[type | str] | None = None,
+    block_paths: Sequence[str] | None = None,
+    **torch_compile_kwargs: Any,
+) -> nn.Module:
+    """Compile each repeated block of `model` once, in place, and return the same model.
+
+    Takes the keywords of `torch.compile` (backend, mode, options, fullgraph, dynamic, ...).
+    `block_classes` (classes or class names) or `block_paths` (module paths) pick the regions by
+    hand. A model without repeated blocks gets a warning and a full compile instead.
+
+    >>> model = compile_regions(model, mode="max-autotune")
+    """
+    kwargs = _check_compile_kwargs(torch_compile_kwargs)
+    if kwargs.get("disable"):
+        warnings.warn("compile_regions(disable=True) leaves the model uncompiled", KilnCompileWarning, 2)
+        return model
+    if _already_compiled(model):
+        warnings.warn(
+            f"{type(model).__name__} is already compiled; compile_regions leaves it as it is",
+            KilnCompileWarning,
+            stacklevel=2,
+        )
+        return model
+    blocks = select_blocks(model, block_classes, block_paths)
+    if not blocks:
+        warnings.warn(
+            f"{type(model).__name__} has no repeated blocks (no ModuleList, Sequential or ModuleDict "
+            "holding two or more modules of one class); compiling the whole model instead. "
+            "Pass block_classes= or block_paths= to choose regions by hand.",
+            KilnCompileWarning,
+            stacklevel=2,
+        )
+        return compile_full(model, **kwargs)
+    modules = dict(model.named_modules())
+    regions = []
+    for cls, paths in blocks.items():
+        instances = [modules[p] for p in paths]
+        regions.append(_compile_class(cls, instances, paths, "block", kwargs))
+    _REGIONS[model] = regions
+    return model
+
+
+def compile_full(model: nn.Module, **torch_compile_kwargs: Any) -> nn.Module:
+    """Compile the whole model as one region, in place (same object, class, keys and hooks)."""
+    kwargs = _check_compile_kwargs(torch_compile_kwargs)
+    if _already_compiled(model):
+        warnings.warn(f"{type(model).__name__} is already compiled; leaving it as it is",
+                      KilnCompileWarning, stacklevel=2)
+        return model
+    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs)]
+    return model
+
+
+def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
+    """The regions Kiln compiled in `model` (empty if none)."""
+    return list(_REGIONS.get(model, ()))
+
+
+def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind: str,
+                   kwargs: dict[str, Any]) -> CompiledRegion:
+    for path, module in zip(paths, instances):
+        if "forward" in vars(module):
+            raise ValueError(
+                f"module {path or '<root>'} ({cls.__name__}) has its forward replaced on the instance; "
+                "Kiln compiles the class's forward and would drop that replacement"
+            )
+    kwargs = dict(kwargs)
+    backend = kwargs.pop("backend", "inductor")
+    mode = kwargs.pop("mode", None)
+    options = kwargs.pop("options", None)
+    name = _class_label(cls)
+    tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
+    compiled = torch.compile(_region_entry(cls.forward, name), backend=tracked, **kwargs)
+    region = CompiledRegion(name, cls, list(paths), tracked, kind, compiled)
+    compiled._kiln_region = region  # lets _already_compiled recognise Kiln's forwards
+    for module in instances:
+        module.forward = types.MethodType(compiled, module)
+    return region
+
+
+def _region_entry(forward: Callable, name: str) -> Callable:
+    """A fresh function that calls `forward`, with its own code object, hence its own Dynamo cache."""
+
+    def entry(module, *args, **kwargs):
+        return forward(module, *args, **kwargs)
+
+    label = "kiln_region_" + "".join(c if c.isalnum() else "_" for c in name)
+    changes = {"co_name": label}
+    if hasattr(entry.__code__, "co_qualname"):
+        changes["co_qualname"] = label
+    code = entry.__code__.replace(**changes)
+    fn = types.FunctionType(code, entry.__globals__, label, entry.__defaults__, entry.__closure__)
+    return fn
+
+
+def _already_compiled(model: nn.Module) -> bool:
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        return True
+    for module in model.modules():
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return True
+        forward = vars(module).get("forward")
+        if forward is not None and hasattr(getattr(forward, "__func__", None), "_kiln_region"):
+            return True
+    return False
+
+
+def _check_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    allowed = set(inspect.signature(torch.compile).parameters) - {"model"}
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise TypeError(f"unknown torch.compile keyword(s) {', '.join(unknown)}; "
+                        f"torch {torch.__version__} takes: {', '.join(sorted(allowed))}")
+    kwargs = dict(kwargs)
+    kwargs["backend"] = validate_backend(kwargs.get("backend", "inductor"))
+    if kwargs["backend"] in ("no", "none"):
+        raise ValueError("backend 'no' means no compile; do not call compile_regions then")
+    validate_mode_and_options(kwargs["backend"], kwargs.get("mode"), kwargs.get("options"))
+    return kwargs
+
+
+def _class_matches(cls: type, wanted: type | str) -> bool:
+    if isinstance(wanted, str):
+        return wanted in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}")
+    return cls is wanted
+
+
+def _class_label(cls: type | str) -> str:
+    return cls if isinstance(cls, str) else cls.__qualname__
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def uncompile(model: nn.Module) -> nn.Module:
+    """Remove the forwards Kiln compiled in `model`, in place; the model runs eagerly again."""
+    for region in _REGIONS.pop(model, ()):
+        modules = dict(model.named_modules())
+        for path in region.paths:
+            module = modules[path]
+            if vars(module).get("forward") is not None and getattr(
+                    vars(module)["forward"], "__func__", None) is region.compiled_forward:
+                del module.forward
+    return model

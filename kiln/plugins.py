@@ -1,0 +1,176 @@
+"""Configuration dataclasses: `TorchDynamoPlugin` and the environment variables that fill it.
+
+Depends on torch only; never imports the facade, a strategy or the compile package.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+# Accelerate spells "compile off" as the backend "no"; scripts and config files carry it over.
+DISABLED_BACKENDS = ("no", "none")
+BOOLEAN_TRUE = ("1", "true", "yes", "on")
+BOOLEAN_FALSE = ("0", "false", "no", "off")
+TRISTATE_NONE = ("none", "auto", "")
+ENV_PREFIX = "KILN_DYNAMO_"
+
+
+def known_backends() -> list[str]:
+    """Every backend name `torch.compile` accepts here, debug and experimental ones included."""
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def known_modes() -> list[str]:
+    """Every Inductor `mode` this torch understands."""
+    return list(torch._inductor.list_mode_options().keys())
+
+
+def parse_bool(value: str, name: str) -> bool:
+    """Read a boolean environment value; anything but the usual spellings is an error."""
+    lowered = value.strip().lower()
+    if lowered in BOOLEAN_TRUE:
+        return True
+    if lowered in BOOLEAN_FALSE:
+        return False
+    raise ValueError(
+        f"{name}={value!r} is not a boolean; use one of {', '.join(BOOLEAN_TRUE + BOOLEAN_FALSE)}"
+    )
+
+
+def parse_tristate(value: str, name: str) -> bool | None:
+    """Like `parse_bool`, but 'none'/'auto' (or empty) stands for None (let torch decide)."""
+    if value.strip().lower() in TRISTATE_NONE:
+        return None
+    try:
+        return parse_bool(value, name)
+    except ValueError:
+        raise ValueError(
+            f"{name}={value!r} is not a boolean or 'none'; use true, false or none"
+        ) from None
+
+
+def _env(name: str, environ: Mapping[str, str]) -> str | None:
+    return environ.get(ENV_PREFIX + name)
+
+
+@dataclass
+class TorchDynamoPlugin:
+    """How Kiln calls `torch.compile`.
+
+    Each field left as None is read from the matching `KILN_DYNAMO_*` environment variable,
+    else takes the default shown. Bad values fail here, not deep inside `torch.compile`.
+
+    >>> TorchDynamoPlugin(backend="inductor", mode="max-autotune", use_regional_compilation=True)
+    """
+
+    backend: str | Callable | None = None  # KILN_DYNAMO_BACKEND, default "inductor"
+    mode: str | None = None  # KILN_DYNAMO_MODE, default: torch's ("default")
+    fullgraph: bool | None = None  # KILN_DYNAMO_USE_FULLGRAPH, default False
+    dynamic: bool | None = None  # KILN_DYNAMO_USE_DYNAMIC; None lets torch decide
+    options: dict[str, Any] | None = None
+    disable: bool | None = None  # KILN_DYNAMO_DISABLE, default False
+    use_regional_compilation: bool | None = None  # KILN_DYNAMO_USE_REGIONAL_COMPILATION, default False
+    # Regional compilation targets; None finds repeated blocks automatically.
+    block_classes: tuple[type | str, ...] | None = None
+    block_paths: tuple[str, ...] | None = None
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        env = self.environ
+        if self.backend is None:
+            self.backend = _env("BACKEND", env) or "inductor"
+        if self.mode is None:
+            self.mode = _env("MODE", env) or None
+        if self.fullgraph is None:
+            raw = _env("USE_FULLGRAPH", env)
+            self.fullgraph = parse_bool(raw, ENV_PREFIX + "USE_FULLGRAPH") if raw is not None else False
+        if self.dynamic is None:
+            raw = _env("USE_DYNAMIC", env)
+            self.dynamic = parse_tristate(raw, ENV_PREFIX + "USE_DYNAMIC") if raw is not None else None
+        if self.disable is None:
+            raw = _env("DISABLE", env)
+            self.disable = parse_bool(raw, ENV_PREFIX + "DISABLE") if raw is not None else False
+        if self.use_regional_compilation is None:
+            raw = _env("USE_REGIONAL_COMPILATION", env)
+            name = ENV_PREFIX + "USE_REGIONAL_COMPILATION"
+            self.use_regional_compilation = parse_bool(raw, name) if raw is not None else False
+        if self.block_classes is not None:
+            self.block_classes = tuple(self.block_classes)
+        if self.block_paths is not None:
+            self.block_paths = tuple(self.block_paths)
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("fullgraph", "disable", "use_regional_compilation"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"TorchDynamoPlugin.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dynamic not in (None, True, False):
+            raise TypeError(f"TorchDynamoPlugin.dynamic must be None, True or False, got {self.dynamic!r}")
+        self.backend = validate_backend(self.backend)
+        if self.backend in DISABLED_BACKENDS:
+            raise ValueError(
+                f"backend {self.backend!r} means 'no compile'; to run without torch.compile, "
+                "pass no dynamo_plugin (or TorchDynamoPlugin(disable=True))"
+            )
+        validate_mode_and_options(self.backend, self.mode, self.options)
+        if (self.block_classes or self.block_paths) and not self.use_regional_compilation:
+            raise ValueError(
+                "block_classes/block_paths choose the regions of a regional compile; "
+                "set use_regional_compilation=True to use them"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return not self.disable
+
+    def to_compile_kwargs(self) -> dict[str, Any]:
+        """The keywords for `torch.compile` / `kiln.compile_regions`, exactly as validated."""
+        kwargs: dict[str, Any] = {
+            "backend": self.backend,
+            "fullgraph": self.fullgraph,
+            "dynamic": self.dynamic,
+        }
+        if self.mode is not None:
+            kwargs["mode"] = self.mode
+        if self.options is not None:
+            kwargs["options"] = dict(self.options)
+        return kwargs
+
+
+def validate_backend(backend: str | Callable) -> str | Callable:
+    """Return the backend in the spelling torch wants; raise on names torch does not know."""
+    if callable(backend):
+        return backend
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string or a callable, got {backend!r}")
+    lowered = backend.strip().lower()
+    if lowered in DISABLED_BACKENDS:
+        return lowered
+    choices = known_backends()
+    if lowered not in choices:
+        raise ValueError(f"unknown backend {backend!r}; choose one of: {', '.join(choices)}")
+    return lowered
+
+
+def validate_mode_and_options(backend: str | Callable, mode: str | None, options: Any) -> None:
+    """`mode` and `options` are Inductor's; check them before torch sees them."""
+    if mode is not None and options is not None:
+        raise ValueError(
+            f"mode={mode!r} and options={options!r} were both given; torch.compile takes one or the "
+            "other (a mode is a preset of options): drop one"
+        )
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options must be a dict of Inductor settings, got {options!r}")
+    if mode is not None:
+        modes = known_modes()
+        if mode not in modes:
+            raise ValueError(f"unknown mode {mode!r}; choose one of: {', '.join(modes)}")
+        if backend != "inductor" and mode != "default":
+            raise ValueError(
+                f"mode={mode!r} is an Inductor setting but backend is {backend!r}; "
+                "use backend='inductor' or drop the mode"
+            )

@@ -1,0 +1,94 @@
+"""Mixed precision: autocast around the model's forward, fp32 outputs, gradient scaling for fp16.
+
+Depends on torch only. The autocast wrapper goes around whatever `forward` the model has, compiled
+or not, so compiled regions run inside it (DESIGN.md: Accelerate's wrapper hid them under bf16).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+PRECISIONS = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FORWARD_BEFORE = "_kiln_forward_before_precision"
+
+
+def check_mixed_precision(value: str | None) -> str:
+    """Normalise a `mixed_precision` value; unknown ones are an error that lists the choices."""
+    if value is None:
+        return "no"
+    lowered = str(value).strip().lower()
+    if lowered not in PRECISIONS:
+        raise ValueError(f"unknown mixed_precision {value!r}; choose one of: {', '.join(PRECISIONS)}")
+    return lowered
+
+
+class Precision:
+    """The autocast settings and (for fp16) the gradient scaler of one `Accelerator`."""
+
+    def __init__(self, mixed_precision: str, device: torch.device) -> None:
+        self.mode = check_mixed_precision(mixed_precision)
+        self.dtype = PRECISIONS[self.mode]
+        self.device_type = device.type
+        self.scaler = torch.amp.GradScaler(device.type) if self.mode == "fp16" else None
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast to the chosen dtype, or nothing when mixed precision is off."""
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def wrap_forward(self, model: nn.Module) -> None:
+        """Run `model.forward` under autocast and hand back floating outputs in fp32, in place."""
+        if not self.enabled or _FORWARD_BEFORE in vars(model):
+            return
+        inner = model.forward
+        precision = self
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with precision.autocast():
+                outputs = inner(*args, **kwargs)
+            return outputs_to_fp32(outputs)
+
+        # vars() lookup: the instance's own forward (a compiled one), or None for the class's.
+        vars(model)[_FORWARD_BEFORE] = vars(model).get("forward")
+        model.forward = forward
+
+
+def remove_precision_wrapper(model: nn.Module) -> bool:
+    """Undo `Precision.wrap_forward`: the model's forward is what it was before. False if unwrapped."""
+    if _FORWARD_BEFORE not in vars(model):
+        return False
+    before = vars(model).pop(_FORWARD_BEFORE)
+    if before is None:
+        del model.forward
+    else:
+        model.forward = before
+    return True
+
+
+def outputs_to_fp32(value: Any) -> Any:
+    """Half-precision floating tensors in `value` (nested dicts, lists, model outputs) become fp32."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+    if isinstance(value, Mapping):
+        converted = copy.copy(value)
+        for key, item in value.items():
+            converted[key] = outputs_to_fp32(item)
+        return converted
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(outputs_to_fp32(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(outputs_to_fp32(v) for v in value)
+    return value

@@ -1,0 +1,94 @@
+"""Small models for the tests: an in-repo encoder-decoder with two block stacks, and tiny
+transformers configs (random weights, nothing downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mix = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.mix(torch.cat([self.norm(x), memory], dim=-1)))
+
+
+class EncoderDecoder(nn.Module):
+    """Two stacks of different block classes, a ModuleList and a Sequential."""
+
+    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.encoder = nn.Sequential(*(EncoderBlock(width) for _ in range(depth)))
+        self.decoder = nn.ModuleList(DecoderBlock(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        memory = self.encoder(h)
+        for block in self.decoder:
+            h = block(h, memory)
+        return self.head(h)
+
+
+class Regressor(nn.Module):
+    """Takes a batch dict and returns a dict with a loss, like a transformers model."""
+
+    def __init__(self, width: int = 16, depth: int = 3) -> None:
+        super().__init__()
+        self.body = EncoderDecoder(width, depth, classes=1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> dict:
+        prediction = self.body(x).squeeze(-1)
+        out = {"prediction": prediction}
+        if y is not None:
+            out["loss"] = torch.nn.functional.mse_loss(prediction, y)
+        return out
+
+
+class Flat(nn.Module):
+    """No repeated blocks at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def tiny_gpt2(layers: int = 3):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=97, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = GPT2LMHeadModel(config)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def tiny_llama(layers: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
+                         max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"
+    return model
