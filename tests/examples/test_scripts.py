@@ -46,3 +46,12 @@ def test_demo_with_inductor_in_bf16(tmp_path):
                 "--width", "64", "--batch", "4", "--seq", "32", "--precision", "bf16",
                 "--out", str(tmp_path / "weights")], tmp_path)
     assert re.search(r"compiled region  GPT2Block: 2 instance\(s\) share 1 graph\(s\), ran compiled 16 times", out), out
+
+
+def test_compile_benchmark_runs_each_row_in_a_fresh_process(tmp_path):
+    out = _run([str(ROOT / "benchmarks/compile_bench.py"), "--backend", "aot_eager", "--steps", "2",
+                "--methods", "eager,regional", "--workloads", "train", "--layers", "2", "--hidden", "32",
+                "--out", str(tmp_path)], tmp_path)
+    assert re.search(r"\| regional \| train \|", out), out
+    rows = [line for line in (tmp_path / "compile_bench_cpu.jsonl").read_text().splitlines() if line]
+    assert len(rows) == 2

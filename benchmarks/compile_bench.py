@@ -1,0 +1,361 @@
+"""Compile benchmark: eager vs full vs regional compile of a Llama-style LM, one fresh process per row.
+
+Depends on torch, transformers and kiln.compile only; never on the facade or a distributed strategy
+(matplotlib is optional: without it the plot is skipped).
+
+Usage:
+    python benchmarks/compile_bench.py                                   # inductor, 6 rows, minutes on CPU
+    python benchmarks/compile_bench.py --backend aot_eager --steps 3     # quick check of the logic
+    python benchmarks/compile_bench.py --methods eager,regional --workloads train --layers 12 --hidden 256
+
+Each (method, workload) row runs in its own subprocess with an empty Inductor/Triton cache, so no
+in-process or on-disk cache fakes a warm start. "compile s" is the first step minus the median
+steady step; "steady ms" is that median. The AdamW step stays eager in every method.
+Results go to benchmarks/results/compile_bench_<device>.{jsonl,md,png}; the table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+# Measure the kiln of this checkout, not whichever kiln happens to be installed.
+sys.path.insert(0, str(HERE.parent))
+
+METHODS = ("eager", "full", "regional")
+WORKLOADS = ("inference", "train")
+CHILD_TIMEOUT_S = 1800
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options; `--child` (hidden) runs one measurement from a JSON spec."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, default=None, help="default: 2 x hidden")
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10, help="steady steps timed after the first one")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend, e.g. inductor, aot_eager")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}")
+    p.add_argument("--out", type=Path, default=HERE / "results", help="folder for the result files")
+    p.add_argument("--child", metavar="SPEC_JSON", help=argparse.SUPPRESS)  # one measurement, internal
+    args = p.parse_args(argv)
+    args.methods = _pick(args.methods, METHODS, "--methods")
+    args.workloads = _pick(args.workloads, WORKLOADS, "--workloads")
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    return args
+
+
+def _pick(value: str, choices: tuple[str, ...], flag: str) -> list[str]:
+    picked = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [v for v in picked if v not in choices]
+    if unknown or not picked:
+        raise SystemExit(f"{flag}: {', '.join(unknown) or 'nothing'} given; choose from: {', '.join(choices)}")
+    return picked
+
+
+# ---------------------------------------------------------------- child: one measurement per process
+
+def build_model(config: dict[str, Any], device: str) -> tuple[Any, Any]:
+    """A Llama-style causal LM with seeded random weights, and one batch of token ids."""
+    import torch
+    import transformers
+
+    torch.manual_seed(config["seed"])
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=config["layers"], hidden_size=config["hidden"],
+        num_attention_heads=config["heads"], num_key_value_heads=config["kv_heads"],
+        intermediate_size=config["intermediate"], vocab_size=config["vocab"],
+        max_position_embeddings=max(2048, config["seq"]), use_cache=False,
+    )
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(cfg)
+    model.to(dtype=getattr(torch, config["dtype"]))
+    ids = torch.randint(0, config["vocab"], (config["batch"], config["seq"]), device=device)
+    return model, ids
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build, compile, time one step then `steps` steady steps; return the row for this spec."""
+    import torch
+    import transformers
+    from kiln.compile.regions import compile_full, compile_regions, compiled_regions
+
+    config, method, workload = spec["config"], spec["method"], spec["workload"]
+    device = config["device"]
+    if config["threads"]:
+        torch.set_num_threads(config["threads"])
+    model, ids = build_model(config, device)
+    train = workload == "train"
+    model.train(train)
+    if train:
+        # transformers 5 picks the loss inside forward through a logger.warning_once that breaks a
+        # full-model graph (DESIGN.md pitfalls); fixing the loss type up front avoids it. 5.23 reads
+        # the model attribute, the config one is what other versions read.
+        model.config.loss_type = "ForCausalLM"
+        model.loss_type = "ForCausalLM"
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    if method == "full":
+        compile_full(model, backend=config["backend"])
+    elif method == "regional":
+        compile_regions(model, backend=config["backend"])
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def step() -> None:
+        if train:
+            # use_cache=False: transformers 5's cache object recompiles every layer (DESIGN.md pitfalls).
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                model(input_ids=ids, use_cache=False)
+
+    def timed_step() -> float:
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - start
+
+    first_s = timed_step()
+    regions = compiled_regions(model)
+    graphs_after_first = sum(r.graphs for r in regions)
+    steady = [timed_step() for _ in range(config["steps"])]
+    median_s = statistics.median(steady)
+    peak_mib, peak_kind, device_name = peak_memory(device)
+    from torch._dynamo.utils import counters
+
+    row = {
+        "method": method, "workload": workload,
+        "compile_s": round(first_s - median_s, 3), "steady_ms": round(median_s * 1e3, 3),
+        "first_s": round(first_s, 3), "step_ms": [round(s * 1e3, 3) for s in steady],
+        "graphs": sum(r.graphs for r in regions),
+        "graphs_after_first_step": graphs_after_first,  # below `graphs`: the steady steps recompiled
+        "compiled_calls": sum(r.calls for r in regions),
+        "regions": len(regions), "instances": sum(r.instances for r in regions),
+        "backend_s": round(sum(r.backend.backend_seconds for r in regions), 3),
+        "dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "peak_mib": round(peak_mib, 1), "peak_kind": peak_kind,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "device": device, "device_name": device_name, "threads": torch.get_num_threads(),
+        "attn_implementation": model.config._attn_implementation, "config": config,
+    }
+    if method != "eager" and row["compiled_calls"] == 0:
+        row["error"] = f"{method}: compiled code never ran (0 compiled calls over {len(regions)} regions)"
+    return row
+
+
+def peak_memory(device: str) -> tuple[float, str, str]:
+    """(peak MiB, what was measured, device name). On CPU, this process's peak resident set:
+    Inductor's C++ builds run in worker processes and are not counted."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated", torch.cuda.get_device_name()
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 2**(20 if sys.platform == "darwin" else 10), "ru_maxrss", cpu_name()
+
+
+def child_main(spec_json: str) -> int:
+    """Run one measurement; print its row as the last stdout line; non-zero exit on any error."""
+    spec = json.loads(spec_json)
+    try:
+        row = measure(spec)
+    except Exception as exc:  # the parent still gets a row, with the reason
+        import traceback
+
+        traceback.print_exc()
+        row = {"method": spec["method"], "workload": spec["workload"], "config": spec["config"],
+               "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    print(json.dumps(row), flush=True)
+    return 1 if "error" in row else 0
+
+
+def busy_cores(seconds: float = 0.5) -> float | None:
+    """Cores kept busy by other processes over a short sample (Linux only; None elsewhere).
+
+    Why: with torch's default of one OpenMP thread per core, one core busy elsewhere made a
+    2-thread matmul about 60x slower on a 2-core machine (torch 2.13); no median hides that.
+    """
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = 1 - (idle1 - idle0) / max(1, total1 - total0)
+    return round(busy * (os.cpu_count() or 1), 2)
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [l.split(":", 1)[1].strip() for l in cpuinfo.read_text().splitlines()
+             if l.startswith("model name")] if cpuinfo.exists() else []
+    return names[0] if names else platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------- parent: one subprocess per row
+
+def run_row(method: str, workload: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Measure one row in a fresh interpreter with an empty compiler cache, deleted afterwards."""
+    spec = {"method": method, "workload": workload, "config": config}
+    busy = busy_cores() if config["device"] == "cpu" else None
+    cache = Path(tempfile.mkdtemp(prefix="kiln_bench_cache_"))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+                              capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+        row = _last_json_line(proc.stdout) or dict(spec, error=f"no result line (exit {proc.returncode})")
+        if proc.returncode != 0:
+            row.setdefault("error", f"child exited with {proc.returncode}")
+            row["stderr_tail"] = proc.stderr[-3000:]
+    except subprocess.TimeoutExpired:
+        row = dict(spec, error=f"timed out after {CHILD_TIMEOUT_S} s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    row["process_s"] = round(time.perf_counter() - start, 1)
+    row["busy_cores_before"] = busy
+    return row
+
+
+def _last_json_line(stdout: str) -> dict[str, Any] | None:
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        return None
+
+
+def results_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table; speedup is eager's steady time over the method's, per workload."""
+    eager = {r["workload"]: r["steady_ms"] for r in rows if r["method"] == "eager" and "error" not in r}
+    lines = ["| method | workload | compile s | steady ms | speedup vs eager | graphs | peak MiB |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['workload']} | error: {r['error'][:60]} | | | | |")
+            continue
+        base = eager.get(r["workload"])
+        speedup = f"{base / r['steady_ms']:.2f}x" if base else "-"
+        lines.append(f"| {r['method']} | {r['workload']} | {r['compile_s']:.1f} | {r['steady_ms']:.2f} | "
+                     f"{speedup} | {r['graphs']} | {r['peak_mib']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> bool:
+    """Bar charts of compile seconds and steady ms per method and workload; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ok = [r for r in rows if "error" not in r]
+    methods = list(dict.fromkeys(r["method"] for r in ok))
+    workloads = list(dict.fromkeys(r["workload"] for r in ok))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(1, len(workloads))
+    for ax, key, title in ((axes[0], "compile_s", "compile (s)"), (axes[1], "steady_ms", "steady step (ms)")):
+        for i, workload in enumerate(workloads):
+            by_method = {r["method"]: r[key] for r in ok if r["workload"] == workload}
+            xs = [m + (i - (len(workloads) - 1) / 2) * width for m in range(len(methods))]
+            ax.bar(xs, [by_method.get(m, 0) for m in methods], width, label=workload)
+        ax.set_xticks(range(len(methods)), methods)
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
+    """Write the run's JSON lines, markdown table and plot; return the text to print last."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"compile_bench_{config['device']}"
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    any_row = next((r for r in rows if "torch" in r), {})
+    text = (f"Llama-style LM, {config['layers']} layers x {config['hidden']} wide, batch {config['batch']} x "
+            f"{config['seq']}, {config['dtype']}, backend {config['backend']}, median of {config['steps']} steps; "
+            f"torch {any_row.get('torch', '?')}, {any_row.get('device_name', config['device'])}, "
+            f"{any_row.get('threads', '?')} threads.\n\n{results_table(rows)}\n")
+    busy = max((r.get("busy_cores_before") or 0) for r in rows)
+    if busy > 0.25:
+        text += f"\nWarning: other processes kept up to {busy} cores busy during this run; timings are unreliable.\n"
+    stem.with_suffix(".md").write_text(text)
+    if not plot(rows, stem.with_suffix(".png")):
+        print("matplotlib is not installed: plot skipped (pip install matplotlib to get one)")
+    return f"wrote {stem}.jsonl and {stem}.md\n\n{text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args.child)
+    import torch  # the parent only asks which device the children will find
+
+    if args.backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise SystemExit(f"--backend {args.backend!r} is unknown; choose one of: "
+                         f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = {
+        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+        "intermediate": args.intermediate or 2 * args.hidden, "vocab": args.vocab, "batch": args.batch,
+        "seq": args.seq, "steps": args.steps, "seed": args.seed, "threads": args.threads,
+        "backend": args.backend, "device": device,
+        # bf16 on GPU as in DESIGN.md's H200 numbers; fp32 on CPU, where bf16 kernels are slow.
+        "dtype": "bfloat16" if device == "cuda" else "float32",
+    }
+    plan = [(m, w) for w in args.workloads for m in args.methods]
+    rows = []
+    for i, (method, workload) in enumerate(plan, 1):
+        print(f"[{i}/{len(plan)}] {method} {workload} ({args.backend}, {device}) ...", end=" ", flush=True)
+        row = run_row(method, workload, config)
+        rows.append(row)
+        if (row["busy_cores_before"] or 0) > 0.25:
+            print(f"[other processes kept {row['busy_cores_before']} cores busy]", end=" ", flush=True)
+        if "error" in row:
+            print(f"ERROR after {row['process_s']} s: {row['error']}\n{row.get('stderr_tail', '')}", flush=True)
+        else:
+            print(f"compile {row['compile_s']:.1f} s, steady {row['steady_ms']:.2f} ms, "
+                  f"{row['graphs']} graphs, process {row['process_s']} s", flush=True)
+    print(write_results(rows, config, args.out))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
