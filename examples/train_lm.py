@@ -155,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.print(f"steps            {summary['steps']}")
     accelerator.print(f"loss             {losses[0]:.3f} first, {losses[-1]:.3f} last "
                       f"(mean of last 10: {statistics.mean(losses[-10:]):.3f})")
-    accelerator.print(f"compiling        {compile_seconds:.1f} s (first step minus a steady step)")
+    accelerator.print(f"compiling        {compile_seconds:.1f} s (first step minus a steady step; "
+                      f"Dynamo's own count: {report.compile_seconds:.1f} s)")
     accelerator.print(f"steady step      {steady * 1000:.0f} ms")
     accelerator.print(f"graphs           {report.graphs}")
     for region in report.regions:
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> dict:
     if report.silent_regions:
         accelerator.print(f"WARNING: these regions never ran compiled code: {report.silent_regions}")
     accelerator.print(f"weights          {args.out}/ (safetensors, plain keys)")
+    accelerator.print("\n== compile report ==")
+    accelerator.end_training()
     return summary
 
 

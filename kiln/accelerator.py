@@ -17,7 +17,9 @@ from torch.utils.data import DataLoader
 
 from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
-from kiln.compile.regions import compile_full, compile_regions, uncompile
+from kiln.compile.monitor import KilnFallbackWarning
+from kiln.compile.regions import (KilnCompileWarning, compile_full, compile_regions, compiled_regions,
+                                  mark_warm, uncompile)
 from kiln.compile.report import CompileReport, compile_report
 from kiln.data import PreparedDataLoader
 from kiln.optim import PreparedOptimizer, PreparedScheduler
@@ -56,6 +58,7 @@ class Accelerator:
         self._dataloaders: list[PreparedDataLoader] = []
         # Both what the user passed and what prepare returned, so neither is prepared twice.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
+        self._optimizer_steps = 0
 
     # ----- process facts -------------------------------------------------------------------
     @property
@@ -161,13 +164,14 @@ class Accelerator:
             model.to(self.device)
         # Compile before the autocast wrapper: the wrapper then calls the compiled forward, and
         # every compiled region runs inside autocast (DESIGN.md, "mixed precision must not hide").
-        if self.dynamo_plugin is not None and self.dynamo_plugin.enabled:
-            kwargs = self.dynamo_plugin.to_compile_kwargs()
-            if self.dynamo_plugin.use_regional_compilation:
-                compile_regions(model, block_classes=self.dynamo_plugin.block_classes,
-                                block_paths=self.dynamo_plugin.block_paths, **kwargs)
+        plugin = self.dynamo_plugin
+        if plugin is not None and plugin.enabled:
+            kwargs = plugin.to_compile_kwargs()
+            if plugin.use_regional_compilation:
+                compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
+                                recompile=plugin.recompile, **kwargs)
             else:
-                compile_full(model, **kwargs)
+                compile_full(model, recompile=plugin.recompile, **kwargs)
         self.precision.wrap_forward(model)
         if evaluation_mode:
             model.eval()
@@ -182,7 +186,7 @@ class Accelerator:
             # Loaded optimizer state may sit on another device; a state_dict round trip moves it
             # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).
             optimizer.load_state_dict(optimizer.state_dict())
-        prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler)
+        prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler, on_step=self._after_optimizer_step)
         self._optimizers.append(prepared)
         self._prepared.add(optimizer)
         self._prepared.add(prepared)
@@ -192,6 +196,7 @@ class Accelerator:
                             device_placement: bool | None = None) -> PreparedDataLoader:
         self._refuse_second_prepare(dataloader)
         place = device_placement if device_placement is not None else self.device_placement
+        self._warn_short_last_batch(dataloader)
         prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state)
         self._dataloaders.append(prepared)
         self._prepared.add(dataloader)
@@ -214,6 +219,24 @@ class Accelerator:
         self._prepared.add(scheduler)
         self._prepared.add(prepared)
         return prepared
+
+    def _warn_short_last_batch(self, dataloader: DataLoader) -> None:
+        plugin = self.dynamo_plugin
+        if plugin is None or not plugin.enabled or plugin.dynamic is True:
+            return
+        batch_size = dataloader.batch_size
+        try:
+            samples = len(dataloader.dataset)
+        except TypeError:  # an iterable dataset: its length is unknown
+            return
+        if batch_size and not dataloader.drop_last and samples % batch_size:
+            warnings.warn(
+                f"this dataloader's last batch holds {samples % batch_size} samples instead of {batch_size}; "
+                f"under a static-shape compile (dynamic={plugin.dynamic}) that batch compiles new graphs "
+                "once per epoch. Pass drop_last=True to the DataLoader, or pad the dataset.",
+                KilnCompileWarning,
+                stacklevel=4,
+            )
 
     def _refuse_second_prepare(self, obj: Any) -> None:
         try:
@@ -304,8 +327,37 @@ class Accelerator:
         self.wait_for_everyone()
 
     def compile_report(self) -> CompileReport:
-        """Per compiled region: instances sharing it, graphs built, compiled calls run."""
+        """Per compiled region: instances sharing it, graphs, graph breaks, recompiles and their
+        reasons, compile seconds, cache hits, calls that ran compiled and eagerly.
+
+        >>> print(accelerator.compile_report().table())   # or .as_dict() for a logger
+        """
         return compile_report(*self._models)
+
+    def end_training(self) -> None:
+        """The end of a run: prints the compile report on the main process."""
+        if any(compiled_regions(model) for model in self._models):
+            self.print(self.compile_report().table())
+        self.wait_for_everyone()
+
+    def _after_optimizer_step(self) -> None:
+        """After the warm-up steps: recompiles meet the policy, and silent regions are called out."""
+        self._optimizer_steps += 1
+        plugin = self.dynamo_plugin
+        if plugin is None or self._optimizer_steps != max(1, plugin.warmup_steps):
+            return
+        for model in self._models:
+            mark_warm(model)
+        for region in compile_report(*self._models).regions:
+            if region.silent:
+                how = (f"its {region.invocations} call(s) all ran eagerly" if region.invocations
+                       else "it was never called (is the prepared model the one being run?)")
+                warnings.warn(
+                    f"compiled region {region.name} ran NO compiled code in the first "
+                    f"{self._optimizer_steps} step(s): {how}. The step runs uncompiled.",
+                    KilnFallbackWarning,
+                    stacklevel=4,
+                )
 
 
 def _choose_dynamo_plugin(plugin: TorchDynamoPlugin | None, backend: str | None) -> TorchDynamoPlugin | None:

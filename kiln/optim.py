@@ -5,7 +5,7 @@ Depends on torch and kiln.accumulation only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -21,8 +21,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None,
+                 on_step: Callable[[], None] | None = None) -> None:
         self.optimizer = optimizer
+        self.on_step = on_step  # told after each real step (the accelerator counts warm-up steps)
         self.gradient_state = gradient_state
         self.scaler = scaler
         self.step_was_skipped = False
@@ -69,11 +71,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._unscaled = False
         if self.scaler is None:
             self.step_was_skipped = False
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        scale_before = self.scaler.get_scale()
-        result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.step_was_skipped = self.scaler.get_scale() < scale_before
+            result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        else:
+            scale_before = self.scaler.get_scale()
+            result = self.scaler.step(self.optimizer, closure) if closure is not None else self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.step_was_skipped = self.scaler.get_scale() < scale_before
+        if self.on_step is not None:
+            self.on_step()
         return result
 
     def __getstate__(self) -> dict[str, Any]:

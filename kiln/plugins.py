@@ -16,6 +16,7 @@ DISABLED_BACKENDS = ("no", "none")
 BOOLEAN_TRUE = ("1", "true", "yes", "on")
 BOOLEAN_FALSE = ("0", "false", "no", "off")
 TRISTATE_NONE = ("none", "auto", "")
+RECOMPILE_POLICIES = ("warn", "error", "allow")
 ENV_PREFIX = "KILN_DYNAMO_"
 
 
@@ -77,6 +78,13 @@ class TorchDynamoPlugin:
     # Regional compilation targets; None finds repeated blocks automatically.
     block_classes: tuple[type | str, ...] | None = None
     block_paths: tuple[str, ...] | None = None
+    # What a recompile after the warm-up steps does: "warn", "error" or "allow".
+    recompile: str | None = None  # KILN_DYNAMO_RECOMPILE, default "warn"
+    warmup_steps: int = 1  # optimizer steps before the recompile policy applies
+    # Warm starts: the compile cache (None: KILN_COMPILE_CACHE, default on) and its folder
+    # (None: KILN_COMPILE_CACHE_DIR, default ~/.cache/kiln/compile).
+    cache: bool | None = None
+    cache_dir: str | None = None
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +106,8 @@ class TorchDynamoPlugin:
             raw = _env("USE_REGIONAL_COMPILATION", env)
             name = ENV_PREFIX + "USE_REGIONAL_COMPILATION"
             self.use_regional_compilation = parse_bool(raw, name) if raw is not None else False
+        if self.recompile is None:
+            self.recompile = _env("RECOMPILE", env) or "warn"
         if self.block_classes is not None:
             self.block_classes = tuple(self.block_classes)
         if self.block_paths is not None:
@@ -117,6 +127,13 @@ class TorchDynamoPlugin:
                 "pass no dynamo_plugin (or TorchDynamoPlugin(disable=True))"
             )
         validate_mode_and_options(self.backend, self.mode, self.options)
+        if self.recompile not in RECOMPILE_POLICIES:
+            raise ValueError(f"unknown recompile policy {self.recompile!r}; choose one of: "
+                             f"{', '.join(RECOMPILE_POLICIES)}")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+        if self.cache is not None and not isinstance(self.cache, bool):
+            raise TypeError(f"TorchDynamoPlugin.cache must be None or a bool, got {self.cache!r}")
         if (self.block_classes or self.block_paths) and not self.use_regional_compilation:
             raise ValueError(
                 "block_classes/block_paths choose the regions of a regional compile; "

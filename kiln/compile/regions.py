@@ -18,6 +18,7 @@ import inspect
 import types
 import warnings
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln.compile.backend import TrackedBackend, resolve_backend
+from kiln.compile.monitor import MONITOR, check_recompile_policy
 from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -35,16 +37,32 @@ class KilnCompileWarning(UserWarning):
     """Something about compilation the user should know: a fallback, a skipped step."""
 
 
-@dataclass
+@dataclass(eq=False)
 class CompiledRegion:
-    """One compiled block class (or the whole model) and the instances that share its code."""
+    """One compiled block class (or the whole model) and the instances that share its code.
+
+    The counters are filled as the model runs: `invocations` calls of the region, `calls` of them
+    ran compiled code, `eager_calls` ran none (recompile limit hit, or nothing compiled).
+    """
 
     name: str
     block_class: type
     paths: list[str]
     backend: TrackedBackend
     kind: str  # "block" or "full"
-    compiled_forward: Callable = field(repr=False)
+    label: str  # the entry function's name, Dynamo's co_name for this region
+    compiled_forward: Callable = field(repr=False, default=None)
+    recompile_policy: str = "allow"
+    warm: bool = False  # set after the warm-up steps; recompiles after it meet the policy
+    invocations: int = 0
+    eager_calls: int = 0
+    graph_breaks: Counter = field(default_factory=Counter)
+    recompile_reasons: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    recompile_limit_hit: bool = False
+    warned: set = field(default_factory=set, repr=False)
 
     @property
     def instances(self) -> int:
@@ -129,6 +147,7 @@ def compile_regions(
     *,
     block_classes: Sequence[type | str] | None = None,
     block_paths: Sequence[str] | None = None,
+    recompile: str = "allow",
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -136,10 +155,12 @@ def compile_regions(
     Takes the keywords of `torch.compile` (backend, mode, options, fullgraph, dynamic, ...).
     `block_classes` (classes or class names) or `block_paths` (module paths) pick the regions by
     hand. A model without repeated blocks gets a warning and a full compile instead.
+    `recompile` ("warn", "error", "allow") is what a recompile after `mark_warm(model)` does.
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
     kwargs = _check_compile_kwargs(torch_compile_kwargs)
+    check_recompile_policy(recompile)
     if kwargs.get("disable"):
         warnings.warn("compile_regions(disable=True) leaves the model uncompiled", KilnCompileWarning, 2)
         return model
@@ -159,25 +180,32 @@ def compile_regions(
             KilnCompileWarning,
             stacklevel=2,
         )
-        return compile_full(model, **kwargs)
+        return compile_full(model, recompile=recompile, **kwargs)
     modules = dict(model.named_modules())
     regions = []
     for cls, paths in blocks.items():
         instances = [modules[p] for p in paths]
-        regions.append(_compile_class(cls, instances, paths, "block", kwargs))
+        regions.append(_compile_class(cls, instances, paths, "block", kwargs, recompile))
     _REGIONS[model] = regions
     return model
 
 
-def compile_full(model: nn.Module, **torch_compile_kwargs: Any) -> nn.Module:
+def compile_full(model: nn.Module, *, recompile: str = "allow", **torch_compile_kwargs: Any) -> nn.Module:
     """Compile the whole model as one region, in place (same object, class, keys and hooks)."""
     kwargs = _check_compile_kwargs(torch_compile_kwargs)
+    check_recompile_policy(recompile)
     if _already_compiled(model):
         warnings.warn(f"{type(model).__name__} is already compiled; leaving it as it is",
                       KilnCompileWarning, stacklevel=2)
         return model
-    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs)]
+    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs, recompile)]
     return model
+
+
+def mark_warm(model: nn.Module) -> None:
+    """End of warm-up: from now on a recompile of `model`'s regions meets their recompile policy."""
+    for region in _REGIONS.get(model, ()):
+        region.warm = True
 
 
 def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
@@ -186,7 +214,7 @@ def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
 
 
 def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind: str,
-                   kwargs: dict[str, Any]) -> CompiledRegion:
+                   kwargs: dict[str, Any], recompile: str) -> CompiledRegion:
     for path, module in zip(paths, instances):
         if "forward" in vars(module):
             raise ValueError(
@@ -198,22 +226,57 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
     mode = kwargs.pop("mode", None)
     options = kwargs.pop("options", None)
     name = _class_label(cls)
+    label = _unique_label(name)
     tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
-    compiled = torch.compile(_region_entry(cls.forward, name), backend=tracked, **kwargs)
-    region = CompiledRegion(name, cls, list(paths), tracked, kind, compiled)
-    compiled._kiln_region = region  # lets _already_compiled recognise Kiln's forwards
+    compiled = torch.compile(_region_entry(cls.forward, label), backend=tracked, **kwargs)
+    region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile)
+    region.compiled_forward = _region_forward(region, compiled)
+    MONITOR.watch(region)
     for module in instances:
-        module.forward = types.MethodType(compiled, module)
+        # A bound method, not a closure over the module: copy.deepcopy rebinds it to the copy.
+        module.forward = types.MethodType(region.compiled_forward, module)
     return region
 
 
-def _region_entry(forward: Callable, name: str) -> Callable:
+def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
+    """The forward every instance runs: the compiled entry, plus the counting that proves it ran."""
+    backend = region.backend
+
+    def forward(module, *args, **kwargs):
+        graphs, calls = len(backend.graphs), backend.calls
+        output = compiled(module, *args, **kwargs)
+        region.invocations += 1
+        if backend.calls == calls:
+            region.eager_calls += 1
+            MONITOR.after_eager_call(region)
+        if len(backend.graphs) != graphs:
+            MONITOR.after_compile(region)
+        return output
+
+    forward._kiln_region = region  # lets _already_compiled recognise Kiln's forwards
+    return forward
+
+
+_LABELS: set[str] = set()
+
+
+def _unique_label(name: str) -> str:
+    """The entry's function name: Dynamo's logs and records name the region by it."""
+    base = "kiln_region_" + "".join(c if c.isalnum() else "_" for c in name)
+    label, n = base, 1
+    while label in _LABELS:
+        n += 1
+        label = f"{base}_{n}"
+    _LABELS.add(label)
+    return label
+
+
+def _region_entry(forward: Callable, label: str) -> Callable:
     """A fresh function that calls `forward`, with its own code object, hence its own Dynamo cache."""
 
     def entry(module, *args, **kwargs):
         return forward(module, *args, **kwargs)
 
-    label = "kiln_region_" + "".join(c if c.isalnum() else "_" for c in name)
     changes = {"co_name": label}
     if hasattr(entry.__code__, "co_qualname"):
         changes["co_qualname"] = label

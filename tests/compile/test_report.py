@@ -1,0 +1,144 @@
+import contextlib
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from kiln import Accelerator, KilnCompileWarning, TorchDynamoPlugin, compile_regions, compile_report
+from kiln.compile.monitor import KilnFallbackWarning, KilnRecompileError, KilnRecompileWarning
+from toy_models import EncoderBlock, EncoderDecoder
+
+
+class BreakingBlock(nn.Module):
+    """A block with a planted graph break in the middle of its forward."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.a = nn.Linear(width, width)
+        self.b = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+@contextlib.contextmanager
+def no_kiln_warnings():
+    """Kiln's own warnings become errors; torch's internal ones are none of these tests' business."""
+    with warnings.catch_warnings():
+        for category in (KilnCompileWarning, KilnRecompileWarning, KilnFallbackWarning):
+            warnings.simplefilter("error", category)
+        yield
+
+
+def _plugin(**overrides):
+    settings = dict(backend="aot_eager", fullgraph=True, dynamic=False, use_regional_compilation=True)
+    return TorchDynamoPlugin(**{**settings, **overrides})
+
+
+def _train_step(model, optimizer, acc, length):
+    out = model(torch.randn(2, length, 8))
+    acc.backward(out.float().pow(2).mean())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_report_counts_a_planted_graph_break_with_its_reason():
+    model = nn.Sequential(BreakingBlock(), BreakingBlock())
+    compile_regions(model, backend="aot_eager", fullgraph=False)
+    model(torch.randn(2, 8))
+    (region,) = compile_report(model).regions
+    assert region.name == "BreakingBlock" and region.instances == 2
+    assert sum(region.graph_breaks.values()) >= 1
+    assert any("graph_break" in reason for reason in region.graph_breaks)
+    assert region.graphs >= 2  # a graph on each side of the break
+    assert region.compiled_calls >= 2 and region.eager_calls == 0
+
+
+def test_report_counts_a_planted_recompile_with_its_reason():
+    model = EncoderDecoder()
+    compile_regions(model, backend="aot_eager", dynamic=False)
+    model(torch.randn(2, 3, 8))
+    model(torch.randn(2, 5, 8))  # another length under dynamic=False: one recompile per region
+    report = compile_report(model)
+    assert [(r.name, r.graphs, r.recompiles) for r in report.regions] == [
+        ("EncoderBlock", 2, 1), ("DecoderBlock", 2, 1)]
+    assert all("size mismatch" in r.recompile_reasons[0] for r in report.regions)
+    assert all(r.compile_seconds > 0 for r in report.regions)
+    table = report.table()
+    assert "EncoderBlock" in table and "recompiled: " in table
+    as_dict = report.as_dict()
+    assert as_dict["graphs"] == 4 and as_dict["regions"][0]["recompiles"] == 1
+
+
+def test_recompile_limit_fallback_is_reported_and_warned():
+    model = nn.Sequential(EncoderBlock(8), EncoderBlock(8))
+    compile_regions(model, backend="aot_eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        with pytest.warns(KilnFallbackWarning, match="recompile limit"):
+            for length in range(1, 6):
+                model(torch.randn(length, 8))
+    (region,) = compile_report(model).regions
+    assert region.recompile_limit_hit
+    assert region.graphs == 2 and region.eager_calls > 0
+    assert "recompile limit" in compile_report(model).table()
+
+
+@pytest.mark.parametrize("policy", ["warn", "error", "allow"])
+def test_recompile_after_warmup_meets_the_policy(policy):
+    acc = Accelerator(dynamo_plugin=_plugin(recompile=policy))
+    model = EncoderDecoder()
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    with no_kiln_warnings():
+        _train_step(model, optimizer, acc, length=3)  # warm-up: compiles freely
+        _train_step(model, optimizer, acc, length=3)  # same shapes: no recompile, no warning
+    if policy == "error":
+        with pytest.raises(KilnRecompileError, match=r"EncoderBlock recompiled after warm-up: .*size mismatch"):
+            _train_step(model, optimizer, acc, length=4)
+    elif policy == "warn":
+        with pytest.warns(KilnRecompileWarning, match="recompiled after warm-up: .*size mismatch"):
+            _train_step(model, optimizer, acc, length=4)
+    else:
+        with no_kiln_warnings():
+            _train_step(model, optimizer, acc, length=4)
+    # the error stops the step in the encoder, before the decoder meets the new length
+    expected = [1, 0] if policy == "error" else [1, 1]
+    assert [r.recompiles for r in acc.compile_report().regions] == expected
+
+
+def test_silent_region_is_called_out_after_the_first_step():
+    acc = Accelerator(dynamo_plugin=_plugin())
+    model = EncoderDecoder()
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    # force_eager stands in for whatever hides compiled code (a wrapper, a copy, a context)
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.warns(KilnFallbackWarning, match=r"EncoderBlock ran NO compiled code.*ran eagerly"):
+            _train_step(model, optimizer, acc, length=3)
+    assert acc.compile_report().silent_regions == ["EncoderBlock", "DecoderBlock"]
+
+
+def test_short_last_batch_under_static_shapes_warns():
+    data = TensorDataset(torch.randn(10, 3, 8))
+    with pytest.warns(KilnCompileWarning, match="last batch holds 2 samples instead of 4"):
+        Accelerator(dynamo_plugin=_plugin()).prepare(DataLoader(data, batch_size=4))
+    with no_kiln_warnings():
+        Accelerator(dynamo_plugin=_plugin()).prepare(DataLoader(data, batch_size=4, drop_last=True))
+        Accelerator(dynamo_plugin=_plugin(dynamic=True)).prepare(DataLoader(data, batch_size=4))
+        Accelerator().prepare(DataLoader(data, batch_size=4))  # no compile, nothing to warn about
+
+
+def test_end_training_prints_the_report(capsys):
+    acc = Accelerator(dynamo_plugin=_plugin())
+    model = acc.prepare(EncoderDecoder())
+    model(torch.randn(2, 3, 8))
+    acc.end_training()
+    out = capsys.readouterr().out
+    assert "EncoderBlock" in out and "DecoderBlock" in out and "calls compiled/eager" in out
+
+
+def test_unknown_recompile_policy_is_an_error():
+    with pytest.raises(ValueError, match="unknown recompile policy 'loud'"):
+        _plugin(recompile="loud")
