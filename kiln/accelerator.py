@@ -6,23 +6,26 @@ Depends on every Kiln module; nothing in Kiln imports it back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from kiln import collectives
 from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.regions import (KilnCompileWarning, compile_full, compile_regions, compiled_regions,
                                   mark_warm, uncompile)
 from kiln.compile.report import CompileReport, compile_report
-from kiln.data import PreparedDataLoader
+from kiln.data import PreparedDataLoader, skip_first_batches
 from kiln.optim import PreparedOptimizer, PreparedScheduler
+from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.plugins import DISABLED_BACKENDS, TorchDynamoPlugin, parse_bool
 from kiln.precision import Precision, remove_precision_wrapper
 from kiln.state import DistributedType, ProcessState
@@ -52,6 +55,10 @@ class Accelerator:
         self.gradient_state = GradientState(gradient_accumulation_steps)
         self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.strategy = self._choose_strategy()
+        # One shuffle seed for every process, so the sharded batches of an epoch agree.
+        # torch.initial_seed() follows set_seed without drawing from (and shifting) the user's RNG.
+        self.data_seed = collectives.broadcast_object(torch.initial_seed() % 2**31)
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
@@ -117,6 +124,11 @@ class Accelerator:
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._optimizers)
 
+    def _choose_strategy(self) -> Strategy:
+        if self.num_processes == 1:
+            return SingleProcess()
+        return DDPStrategy(self.device)
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on the main process only."""
         if self.is_local_main_process:
@@ -175,9 +187,12 @@ class Accelerator:
         self.precision.wrap_forward(model)
         if evaluation_mode:
             model.eval()
-        self._models.append(model)
+        # Last, the strategy's wrapper (DDP) around the compiled, autocast model.
+        wrapped = model if evaluation_mode else self.strategy.wrap_model(model)
+        self._models.append(wrapped)
         self._prepared.add(model)
-        return model
+        self._prepared.add(wrapped)
+        return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           device_placement: bool | None = None) -> PreparedOptimizer:
@@ -197,7 +212,8 @@ class Accelerator:
         self._refuse_second_prepare(dataloader)
         place = device_placement if device_placement is not None else self.device_placement
         self._warn_short_last_batch(dataloader)
-        prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state)
+        prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state,
+                                      self.num_processes, self.process_index, self.data_seed)
         self._dataloaders.append(prepared)
         self._prepared.add(dataloader)
         self._prepared.add(prepared)
@@ -271,8 +287,7 @@ class Accelerator:
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Skip gradient synchronisation across processes (nothing to skip on one process)."""
-        context = getattr(model, "no_sync", None)
-        with context() if callable(context) else contextlib.nullcontext():
+        with self.strategy.no_sync(model):
             yield
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -302,6 +317,7 @@ class Accelerator:
         `keep_fp32_wrapper=False` its autocast wrapper is removed, and with `keep_torch_compile=False`
         its compiled forwards are, both in place.
         """
+        model = self.strategy.unwrap(model)
         while isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or _is_parallel_wrapper(model):
             model = model._orig_mod if hasattr(model, "_orig_mod") else model.module
         if not (keep_fp32_wrapper and keep_torch_compile):
@@ -326,17 +342,67 @@ class Accelerator:
             save_state_dict(state_dict, save_directory, max_shard_size, safe_serialization)
         self.wait_for_everyone()
 
+    # ----- across processes ----------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """Each tensor concatenated along dim 0 over the processes, in rank order."""
+        return collectives.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """`gather`, minus the samples repeated at the end of an epoch to even out the processes,
+        so an evaluation loop sees each sample of the dataset exactly once."""
+        if use_gather_object or not collectives.holds_tensors(input_data):
+            gathered = [x for part in collectives.gather_object(input_data) for x in (part if isinstance(part, list) else [part])]
+        else:
+            gathered = collectives.gather(input_data)
+        loader = self.gradient_state.active_dataloader
+        padded = loader.padded_samples if loader is not None and self.gradient_state.end_of_dataloader else 0
+        if padded:
+            trim = lambda t: t[: len(t) - padded]  # noqa: E731
+            gathered = trim(gathered) if isinstance(gathered, list) else collectives.apply_to_tensors(gathered, trim)
+        return gathered
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        return collectives.reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """This process's contiguous share of a list, tuple, dict of lists, or tensor (dim 0)."""
+        yield collectives.split_between(inputs, self.num_processes, self.process_index, apply_padding)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """The main process runs the block first (say, to download or cache), then the others."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: the function runs on the main process only (returns None elsewhere)."""
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if self.is_main_process else None
+        return wrapper
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """A dataloader that starts after `num_batches` batches of this process (mid-epoch resume)."""
+        return skip_first_batches(dataloader, num_batches)
+
     def compile_report(self) -> CompileReport:
         """Per compiled region: instances sharing it, graphs, graph breaks, recompiles and their
         reasons, compile seconds, cache hits, calls that ran compiled and eagerly.
 
         >>> print(accelerator.compile_report().table())   # or .as_dict() for a logger
         """
-        return compile_report(*self._models)
+        return compile_report(*(self.unwrap_model(m) for m in self._models))
 
     def end_training(self) -> None:
         """The end of a run: prints the compile report on the main process."""
-        if any(compiled_regions(model) for model in self._models):
+        if any(compiled_regions(self.unwrap_model(model)) for model in self._models):
             self.print(self.compile_report().table())
         self.wait_for_everyone()
 
@@ -347,8 +413,8 @@ class Accelerator:
         if plugin is None or self._optimizer_steps != max(1, plugin.warmup_steps):
             return
         for model in self._models:
-            mark_warm(model)
-        for region in compile_report(*self._models).regions:
+            mark_warm(self.unwrap_model(model))
+        for region in self.compile_report().regions:
             if region.silent:
                 how = (f"its {region.invocations} call(s) all ran eagerly" if region.invocations
                        else "it was never called (is the prepared model the one being run?)")

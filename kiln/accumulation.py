@@ -17,7 +17,7 @@ class GradientState:
         self.sync_gradients = True
         self.end_of_dataloader = False
         self.step = 0  # micro-batches seen in the current accumulation window
-        self.active_dataloaders = 0
+        self.active_dataloaders: list = []  # innermost last
 
     def advance(self) -> None:
         """Called once per micro-batch by `Accelerator.accumulate`."""
@@ -29,9 +29,14 @@ class GradientState:
         else:
             self.sync_gradients = False
 
-    def begin_dataloader(self) -> None:
-        self.active_dataloaders += 1
+    @property
+    def active_dataloader(self):
+        return self.active_dataloaders[-1] if self.active_dataloaders else None
+
+    def begin_dataloader(self, dataloader) -> None:
+        self.active_dataloaders.append(dataloader)
         self.end_of_dataloader = False
 
-    def end_dataloader(self) -> None:
-        self.active_dataloaders = max(0, self.active_dataloaders - 1)
+    def end_dataloader(self, dataloader) -> None:
+        if dataloader in self.active_dataloaders:
+            self.active_dataloaders.remove(dataloader)

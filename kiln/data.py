@@ -1,17 +1,23 @@
-"""Prepared dataloaders: batches moved to the device, and the end of an epoch announced in advance.
+"""Prepared dataloaders: each process gets its own slice of every global batch, batches move to the
+device, and the end of an epoch is announced one batch in advance.
 
 Depends on torch and kiln.accumulation only.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from kiln.accumulation import GradientState
+
+# DataLoader arguments carried over when a loader is rebuilt around a sharded batch sampler.
+_LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+                "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device", "in_order")
 
 
 def move_to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -29,25 +35,124 @@ def move_to_device(value: Any, device: torch.device, non_blocking: bool = False)
     return value
 
 
-class PreparedDataLoader:
-    """Iterates the user's DataLoader, moving each batch to the device.
+class ShardedBatchSampler:
+    """Deals the batches of one epoch to the processes in turn: process r gets batches r, r+W, ...
 
-    It reads one batch ahead so that, while the last batch is being used, `sync_gradients`
-    already knows the epoch is ending. Every other attribute is the user's DataLoader's.
+    Every process computes the same batch list (the shuffle is seeded alike everywhere), so one
+    global step covers W consecutive batches of the single-process order. The epoch is evened
+    out so that every process gets the same number of full batches: with `drop_last` the trailing
+    batches that do not fill a round are dropped; otherwise the last batch is completed, and
+    rounds filled, with samples from the start of the epoch (`padded_samples` counts them, so
+    `gather_for_metrics` can drop the duplicates).
     """
 
-    def __init__(self, dataloader: DataLoader, device: torch.device | None,
-                 gradient_state: GradientState) -> None:
+    def __init__(self, batch_sampler: Iterable[list[int]], batch_size: int, num_processes: int,
+                 process_index: int, drop_last: bool) -> None:
+        self.batch_sampler = batch_sampler
+        self.batch_size = batch_size
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.drop_last = drop_last
+        self.padded_samples = 0
+
+    def _epoch_batches(self) -> list[list[int]]:
+        batches = [list(b) for b in self.batch_sampler]
+        rounds, extra = divmod(len(batches), self.num_processes)
+        if self.drop_last or not batches:
+            self.padded_samples = 0
+            return batches[: rounds * self.num_processes]
+        flat = [i for b in batches for i in b]
+        want = (rounds + (1 if extra else 0)) * self.num_processes * self.batch_size
+        if len(flat) < want:
+            self.padded_samples = want - len(flat)
+            cycle = (flat * (want // len(flat) + 1))[: self.padded_samples]
+            flat = flat + cycle
+        else:
+            self.padded_samples = 0
+        return [flat[i: i + self.batch_size] for i in range(0, want, self.batch_size)]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self._epoch_batches()
+        yield from batches[self.process_index:: self.num_processes]
+
+    def __len__(self) -> int:
+        total = len(self.batch_sampler)
+        return total // self.num_processes if self.drop_last else -(-total // self.num_processes)
+
+    def set_epoch(self, epoch: int) -> None:
+        sampler = getattr(self.batch_sampler, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+
+class SeededRandomSampler(RandomSampler):
+    """A RandomSampler whose order depends on (seed, epoch) only, the same on every process."""
+
+    def __init__(self, data_source: Any, seed: int, **kwargs: Any) -> None:
+        super().__init__(data_source, generator=torch.Generator(), **kwargs)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        self.generator.manual_seed(self.seed + self.epoch)
+        yield from super().__iter__()
+
+
+def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: int,
+                     seed: int) -> tuple[DataLoader, ShardedBatchSampler | None]:
+    """A DataLoader that yields this process's batches only; the user's loader is not changed."""
+    if num_processes == 1:
+        return dataloader, None
+    if isinstance(dataloader.dataset, IterableDataset):
+        raise NotImplementedError(
+            "sharding an IterableDataset across processes is not supported yet: split the stream "
+            "yourself (by process_index) and prepare the loader with device_placement only"
+        )
+    if dataloader.batch_size is None:
+        raise ValueError("a DataLoader with a custom batch_sampler cannot be sharded yet; "
+                         "give it batch_size= and a sampler instead")
+    sampler = dataloader.sampler
+    if type(sampler) is RandomSampler:
+        sampler = SeededRandomSampler(dataloader.dataset, seed, replacement=sampler.replacement,
+                                      num_samples=sampler._num_samples)
+    batch_sampler = BatchSampler(sampler, dataloader.batch_size, drop_last=dataloader.drop_last)
+    sharded = ShardedBatchSampler(batch_sampler, dataloader.batch_size, num_processes, process_index,
+                                  drop_last=dataloader.drop_last)
+    kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
+    if dataloader.num_workers > 0:
+        kwargs["prefetch_factor"] = dataloader.prefetch_factor
+    else:
+        kwargs.pop("persistent_workers", None)
+    return DataLoader(dataloader.dataset, batch_sampler=sharded, **kwargs), sharded
+
+
+class PreparedDataLoader:
+    """Iterates this process's batches, moving each to the device.
+
+    It reads one batch ahead so that, while the last batch is being used, `sync_gradients`
+    already knows the epoch is ending. Other attributes are those of the user's DataLoader.
+    """
+
+    def __init__(self, dataloader: DataLoader, device: torch.device | None, gradient_state: GradientState,
+                 num_processes: int = 1, process_index: int = 0, seed: int = 0) -> None:
         self.base_dataloader = dataloader
         self.device = device
         self.gradient_state = gradient_state
         self.end_of_dataloader = False
+        self.loader, self.sharded_sampler = shard_dataloader(dataloader, num_processes, process_index, seed)
+        self.skip_batches = 0
+        self.epoch = 0
 
     def __iter__(self) -> Iterator[Any]:
-        self.gradient_state.begin_dataloader()
+        self.gradient_state.begin_dataloader(self)
         self.end_of_dataloader = False
         try:
-            iterator = iter(self.base_dataloader)
+            iterator = iter(self.loader)
+            for _ in range(self.skip_batches):
+                next(iterator, None)
             try:
                 current = next(iterator)
             except StopIteration:
@@ -63,21 +168,46 @@ class PreparedDataLoader:
                 yield self._place(current)
                 current = upcoming
         finally:
-            self.gradient_state.end_dataloader()
+            self.gradient_state.end_dataloader(self)
+
+    @property
+    def padded_samples(self) -> int:
+        """Samples repeated at the end of this epoch to even out the processes."""
+        return self.sharded_sampler.padded_samples if self.sharded_sampler is not None else 0
 
     def _place(self, batch: Any) -> Any:
         return batch if self.device is None else move_to_device(batch, self.device)
 
     def __len__(self) -> int:
-        return len(self.base_dataloader)
+        return len(self.loader) - self.skip_batches
 
     def set_epoch(self, epoch: int) -> None:
         """Forwarded to the sampler, for samplers that shuffle per epoch."""
-        for holder in (self.base_dataloader.sampler, getattr(self.base_dataloader, "batch_sampler", None)):
-            if hasattr(holder, "set_epoch"):
+        self.epoch = epoch
+        holders = (self.sharded_sampler, self.base_dataloader.sampler,
+                   getattr(self.base_dataloader, "batch_sampler", None))
+        for holder in holders:
+            if holder is not None and hasattr(holder, "set_epoch"):
                 holder.set_epoch(epoch)
+                if holder is self.sharded_sampler:
+                    break
 
     def __getattr__(self, name: str) -> Any:
-        if name == "base_dataloader":  # not set yet (unpickling): avoid infinite recursion
+        if name in ("base_dataloader", "loader"):  # not set yet (unpickling): avoid recursion
             raise AttributeError(name)
         return getattr(self.base_dataloader, name)
+
+
+def skip_first_batches(dataloader: PreparedDataLoader, num_batches: int) -> PreparedDataLoader:
+    """A prepared dataloader that starts after `num_batches` of this process's batches (mid-epoch resume)."""
+    if not isinstance(dataloader, PreparedDataLoader):
+        raise TypeError("skip_first_batches takes a dataloader returned by Accelerator.prepare")
+    if num_batches < 0:
+        raise ValueError(f"num_batches must be >= 0, got {num_batches}")
+    skipped = PreparedDataLoader.__new__(PreparedDataLoader)
+    skipped.__dict__.update(dataloader.__dict__)
+    skipped.skip_batches = dataloader.skip_batches + num_batches
+    if skipped.skip_batches > len(dataloader.loader):
+        warnings.warn(f"skipping {skipped.skip_batches} batches of a {len(dataloader.loader)}-batch epoch "
+                      "leaves nothing to iterate", UserWarning, stacklevel=2)
+    return skipped

@@ -194,9 +194,10 @@ def test_prepared_dataloader_moves_dict_batches_and_forwards_attributes():
     assert prepared.batch_size == 2
 
 
-def test_world_size_above_one_is_refused_with_a_clear_message(monkeypatch):
+def test_world_size_without_rendezvous_address_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="one process only"):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set; start the processes with `kiln launch`"):
         Accelerator()
 
 

@@ -1,0 +1,42 @@
+"""DistributedDataParallel: every process holds the whole model; gradients are averaged in backward.
+
+Depends on torch only. The model arrives compiled in place (regions or whole), so DDP wraps the
+same module the user built and its hooks see the compiled forward run inside (DESIGN.md: compile
+in place inside the module DDP wraps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kiln.parallel.base import Strategy
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def __init__(self, device: torch.device, **ddp_kwargs: Any) -> None:
+        self.device = device
+        self.ddp_kwargs = ddp_kwargs
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # nothing to synchronise (a frozen or evaluation-only model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield
