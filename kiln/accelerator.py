@@ -26,8 +26,9 @@ from kiln.compile.report import CompileReport, compile_report
 from kiln.data import PreparedDataLoader, skip_first_batches
 from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
-from kiln.plugins import DISABLED_BACKENDS, TorchDynamoPlugin, parse_bool
+from kiln.plugins import DISABLED_BACKENDS, DataLoaderConfiguration, TorchDynamoPlugin, parse_bool
 from kiln.precision import Precision, remove_precision_wrapper
+from kiln.resume import load_training_state, save_training_state
 from kiln.state import DistributedType, ProcessState
 
 
@@ -48,6 +49,7 @@ class Accelerator:
         dynamo_plugin: TorchDynamoPlugin | None = None,
         dynamo_backend: str | None = None,
         step_scheduler_with_optimizer: bool = True,
+        dataloader_config: DataLoaderConfiguration | None = None,
     ) -> None:
         self.state = ProcessState(cpu=cpu or _env_flag("KILN_USE_CPU"))
         self.device_placement = device_placement
@@ -55,6 +57,7 @@ class Accelerator:
         self.gradient_state = GradientState(gradient_accumulation_steps)
         self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
         self.strategy = self._choose_strategy()
         # One shuffle seed for every process, so the sharded batches of an epoch agree.
         # torch.initial_seed() follows set_seed without drawing from (and shifting) the user's RNG.
@@ -63,6 +66,7 @@ class Accelerator:
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
+        self._custom_objects: list[Any] = []
         # Both what the user passed and what prepare returned, so neither is prepared twice.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._optimizer_steps = 0
@@ -213,7 +217,8 @@ class Accelerator:
         place = device_placement if device_placement is not None else self.device_placement
         self._warn_short_last_batch(dataloader)
         prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state,
-                                      self.num_processes, self.process_index, self.data_seed)
+                                      self.num_processes, self.process_index, self.data_seed,
+                                      stateful=self.dataloader_config.use_stateful_dataloader)
         self._dataloaders.append(prepared)
         self._prepared.add(dataloader)
         self._prepared.add(prepared)
@@ -391,6 +396,41 @@ class Accelerator:
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """A dataloader that starts after `num_batches` batches of this process (mid-epoch resume)."""
         return skip_first_batches(dataloader, num_batches)
+
+    # ----- checkpoints ---------------------------------------------------------------------
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Objects with `state_dict`/`load_state_dict` that save_state and load_state carry too."""
+        for obj in objects:
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise TypeError(f"{type(obj).__name__} cannot be checkpointed: it needs state_dict() and load_state_dict()")
+        self._custom_objects.extend(objects)
+
+    def save_state(self, output_dir: str | os.PathLike) -> str:
+        """Write models, optimizers, schedulers, scaler, RNG states, dataloader positions and
+        registered objects; the folder appears only once complete. Returns its path."""
+        target = save_training_state(
+            output_dir, model_state_dicts=[self.get_state_dict(m) for m in self._models],
+            optimizers=self._optimizers, schedulers=self._schedulers, dataloaders=self._dataloaders,
+            custom=self._custom_objects, scaler=self.scaler, process_index=self.process_index,
+            num_processes=self.num_processes, is_main_process=self.is_main_process,
+            barrier=self.wait_for_everyone)
+        return str(target)
+
+    def load_state(self, input_dir: str | os.PathLike) -> None:
+        """Restore what save_state wrote into the objects prepared, in the same order. A missing or
+        incomplete checkpoint is an error naming the missing file. Dataloader positions come back
+        only with `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches."""
+        load_training_state(
+            input_dir, models=[self.unwrap_model(m) for m in self._models], optimizers=self._optimizers,
+            schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
+            scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes)
+        self.wait_for_everyone()
+
+    def save(self, obj: Any, f: str | os.PathLike) -> None:
+        """`torch.save` on the main process only."""
+        if self.is_main_process:
+            torch.save(obj, f)
+        self.wait_for_everyone()
 
     def compile_report(self) -> CompileReport:
         """Per compiled region: instances sharing it, graphs, graph breaks, recompiles and their

@@ -103,8 +103,13 @@ class SeededRandomSampler(RandomSampler):
 
 def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: int,
                      seed: int) -> tuple[DataLoader, ShardedBatchSampler | None]:
-    """A DataLoader that yields this process's batches only; the user's loader is not changed."""
-    if num_processes == 1:
+    """A DataLoader that yields this process's batches only; the user's loader is not changed.
+
+    A shuffling loader is rebuilt even on one process: its order then depends on (seed, epoch)
+    alone, so a run resumed mid-epoch sees the same order as the run it continues.
+    """
+    reshuffle = type(dataloader.sampler) is RandomSampler and dataloader.generator is None
+    if num_processes == 1 and not reshuffle:
         return dataloader, None
     if isinstance(dataloader.dataset, IterableDataset):
         raise NotImplementedError(
@@ -115,13 +120,14 @@ def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: 
         raise ValueError("a DataLoader with a custom batch_sampler cannot be sharded yet; "
                          "give it batch_size= and a sampler instead")
     sampler = dataloader.sampler
-    if type(sampler) is RandomSampler:
+    if reshuffle:
         sampler = SeededRandomSampler(dataloader.dataset, seed, replacement=sampler.replacement,
                                       num_samples=sampler._num_samples)
     batch_sampler = BatchSampler(sampler, dataloader.batch_size, drop_last=dataloader.drop_last)
     sharded = ShardedBatchSampler(batch_sampler, dataloader.batch_size, num_processes, process_index,
                                   drop_last=dataloader.drop_last)
     kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
+    kwargs.pop("generator", None)  # the sampler carries its own seeded generator
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     else:
@@ -133,29 +139,47 @@ class PreparedDataLoader:
     """Iterates this process's batches, moving each to the device.
 
     It reads one batch ahead so that, while the last batch is being used, `sync_gradients`
-    already knows the epoch is ending. Other attributes are those of the user's DataLoader.
+    already knows the epoch is ending. It counts epochs (each complete pass is one; `set_epoch`
+    sets it) and, when stateful, the batches of the current pass, for `save_state`. Other
+    attributes are those of the user's DataLoader.
     """
 
     def __init__(self, dataloader: DataLoader, device: torch.device | None, gradient_state: GradientState,
-                 num_processes: int = 1, process_index: int = 0, seed: int = 0) -> None:
+                 num_processes: int = 1, process_index: int = 0, seed: int = 0, stateful: bool = False) -> None:
         self.base_dataloader = dataloader
         self.device = device
         self.gradient_state = gradient_state
         self.end_of_dataloader = False
         self.loader, self.sharded_sampler = shard_dataloader(dataloader, num_processes, process_index, seed)
-        self.skip_batches = 0
+        self.stateful = stateful
         self.epoch = 0
+        self.batches_yielded = 0  # in the current pass
+        self.pending_skip = 0  # restored by load_state on a stateful loader; used by the next pass
 
     def __iter__(self) -> Iterator[Any]:
+        return self.iterate(skip=0)
+
+    def iterate(self, skip: int) -> Iterator[Any]:
+        """One pass over this process's batches of the current epoch, after `skip` batches."""
+        if skip and self.pending_skip:
+            raise ValueError(
+                f"load_state restored this stateful dataloader's position ({self.pending_skip} batches in), "
+                "and skip_first_batches asks to skip again: batches would be skipped twice. "
+                "Iterate the dataloader itself after load_state."
+            )
+        skip, self.pending_skip = skip + self.pending_skip, 0
+        self._apply_epoch()
         self.gradient_state.begin_dataloader(self)
         self.end_of_dataloader = False
+        self.batches_yielded = skip
         try:
             iterator = iter(self.loader)
-            for _ in range(self.skip_batches):
+            for _ in range(skip):
                 next(iterator, None)
             try:
                 current = next(iterator)
             except StopIteration:
+                self._finish_epoch()
                 return
             while True:
                 try:
@@ -163,12 +187,44 @@ class PreparedDataLoader:
                 except StopIteration:
                     self.end_of_dataloader = True
                     self.gradient_state.end_of_dataloader = True
+                    # The epoch ends as its last batch is handed out, whether or not the loop asks
+                    # for more: a checkpoint saved now resumes at the next epoch.
+                    self._finish_epoch()
                     yield self._place(current)
                     return
+                self.batches_yielded += 1
                 yield self._place(current)
                 current = upcoming
         finally:
             self.gradient_state.end_dataloader(self)
+
+    def _apply_epoch(self) -> None:
+        for holder in (self.sharded_sampler, self.base_dataloader.sampler):
+            if holder is not None and hasattr(holder, "set_epoch"):
+                holder.set_epoch(self.epoch)
+                return
+
+    def _finish_epoch(self) -> None:
+        self.epoch += 1
+        self.batches_yielded = 0
+
+    def state_dict(self) -> dict[str, int | None]:
+        """Where this loader is: its shuffle seed and epoch, and (stateful loaders) the batches
+        already used in the current pass."""
+        return {"epoch": self.epoch, "batches_yielded": self.batches_yielded if self.stateful else 0,
+                "seed": self._sampler_seed_holder().seed if self._sampler_seed_holder() else None}
+
+    def load_state_dict(self, state: dict[str, int | None]) -> None:
+        self.epoch = int(state["epoch"])
+        self.pending_skip = int(state.get("batches_yielded") or 0) if self.stateful else 0
+        holder = self._sampler_seed_holder()
+        if holder is not None and state.get("seed") is not None:
+            holder.seed = int(state["seed"])
+
+    def _sampler_seed_holder(self) -> SeededRandomSampler | None:
+        sampler = getattr(self.loader.batch_sampler, "batch_sampler", None)
+        sampler = getattr(sampler, "sampler", None)
+        return sampler if isinstance(sampler, SeededRandomSampler) else None
 
     @property
     def padded_samples(self) -> int:
@@ -179,18 +235,11 @@ class PreparedDataLoader:
         return batch if self.device is None else move_to_device(batch, self.device)
 
     def __len__(self) -> int:
-        return len(self.loader) - self.skip_batches
+        return len(self.loader)
 
     def set_epoch(self, epoch: int) -> None:
-        """Forwarded to the sampler, for samplers that shuffle per epoch."""
+        """The epoch whose order the next pass uses (shuffling samplers reshuffle per epoch)."""
         self.epoch = epoch
-        holders = (self.sharded_sampler, self.base_dataloader.sampler,
-                   getattr(self.base_dataloader, "batch_sampler", None))
-        for holder in holders:
-            if holder is not None and hasattr(holder, "set_epoch"):
-                holder.set_epoch(epoch)
-                if holder is self.sharded_sampler:
-                    break
 
     def __getattr__(self, name: str) -> Any:
         if name in ("base_dataloader", "loader"):  # not set yet (unpickling): avoid recursion
@@ -198,16 +247,36 @@ class PreparedDataLoader:
         return getattr(self.base_dataloader, name)
 
 
-def skip_first_batches(dataloader: PreparedDataLoader, num_batches: int) -> PreparedDataLoader:
-    """A prepared dataloader that starts after `num_batches` of this process's batches (mid-epoch resume)."""
+class SkippedDataLoader:
+    """The rest of the current epoch of a prepared dataloader, after its first `num_batches` batches.
+
+    Iterating it advances the prepared dataloader itself (epoch count, end of epoch), so the next
+    epoch simply iterates the prepared dataloader again.
+    """
+
+    def __init__(self, dataloader: PreparedDataLoader, num_batches: int) -> None:
+        self.dataloader = dataloader
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.dataloader.iterate(skip=self.num_batches)
+
+    def __len__(self) -> int:
+        return max(0, len(self.dataloader) - self.num_batches)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+
+def skip_first_batches(dataloader: PreparedDataLoader, num_batches: int) -> SkippedDataLoader:
+    """The prepared dataloader, starting after `num_batches` of this process's batches (mid-epoch resume)."""
     if not isinstance(dataloader, PreparedDataLoader):
         raise TypeError("skip_first_batches takes a dataloader returned by Accelerator.prepare")
-    if num_batches < 0:
-        raise ValueError(f"num_batches must be >= 0, got {num_batches}")
-    skipped = PreparedDataLoader.__new__(PreparedDataLoader)
-    skipped.__dict__.update(dataloader.__dict__)
-    skipped.skip_batches = dataloader.skip_batches + num_batches
-    if skipped.skip_batches > len(dataloader.loader):
-        warnings.warn(f"skipping {skipped.skip_batches} batches of a {len(dataloader.loader)}-batch epoch "
-                      "leaves nothing to iterate", UserWarning, stacklevel=2)
-    return skipped
+    if not isinstance(num_batches, int) or num_batches < 0:
+        raise ValueError(f"num_batches must be an int >= 0, got {num_batches!r}")
+    if num_batches > len(dataloader):
+        warnings.warn(f"skipping {num_batches} batches of a {len(dataloader)}-batch epoch leaves "
+                      "nothing to iterate", UserWarning, stacklevel=2)
+    return SkippedDataLoader(dataloader, num_batches)

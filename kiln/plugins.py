@@ -191,3 +191,19 @@ def validate_mode_and_options(backend: str | Callable, mode: str | None, options
                 f"mode={mode!r} is an Inductor setting but backend is {backend!r}; "
                 "use backend='inductor' or drop the mode"
             )
+
+
+@dataclass
+class DataLoaderConfiguration:
+    """How `prepare` treats dataloaders.
+
+    use_stateful_dataloader: `save_state` records how far into the epoch each dataloader is and
+    `load_state` resumes there. Leave it off to resume with `skip_first_batches` instead (never
+    both: batches would be skipped twice, and Kiln refuses that).
+    """
+
+    use_stateful_dataloader: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.use_stateful_dataloader, bool):
+            raise TypeError(f"use_stateful_dataloader must be a bool, got {self.use_stateful_dataloader!r}")

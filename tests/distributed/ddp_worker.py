@@ -18,7 +18,21 @@ from toy_models import Regressor  # noqa: E402
 
 from kiln import Accelerator, TorchDynamoPlugin  # noqa: E402
 from kiln.compile.regions import compiled_regions  # noqa: E402
+from kiln.plugins import DataLoaderConfiguration  # noqa: E402
 from kiln.utils import set_seed  # noqa: E402
+
+
+class Progress:
+    """Where the loop is: registered for checkpointing so a resumed run knows what to skip."""
+
+    def __init__(self):
+        self.epoch = self.batches = self.steps = 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "batches": self.batches, "steps": self.steps}
+
+    def load_state_dict(self, state):
+        self.epoch, self.batches, self.steps = state["epoch"], state["batches"], state["steps"]
 
 
 def main() -> None:
@@ -29,34 +43,56 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--eval-samples", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--shuffle", action="store_true")
+    parser.add_argument("--save-at", type=int, default=0, help="save_state after this many steps, then stop")
+    parser.add_argument("--resume-from", default=None)
+    parser.add_argument("--stateful", action="store_true")
     args = parser.parse_args()
 
     set_seed(0)
     plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
                                use_regional_compilation=True)
     acc = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
-                      gradient_accumulation_steps=args.grad_accum)
+                      gradient_accumulation_steps=args.grad_accum,
+                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful))
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
     per_process = args.global_batch // acc.num_processes
-    loader = DataLoader(TensorDataset(x, y), batch_size=per_process, shuffle=False, drop_last=True)
+    loader = DataLoader(TensorDataset(x, y), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
     eval_data = TensorDataset(torch.arange(args.eval_samples, dtype=torch.float32))
     eval_loader = DataLoader(eval_data, batch_size=3)
     model = Regressor()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     model, optimizer, loader, eval_loader = acc.prepare(model, optimizer, loader, eval_loader)
+    progress = Progress()
+    acc.register_for_checkpointing(progress)
+    if args.resume_from:
+        acc.load_state(args.resume_from)
 
     losses, window = [], 0.0
-    for inputs, targets in loader:
-        with acc.accumulate(model):
-            loss = model(inputs, targets)["loss"]
-            acc.backward(loss)
-            window += acc.reduce(loss.detach(), "mean").item() / args.grad_accum
-            optimizer.step()
-            optimizer.zero_grad()
-        if acc.sync_gradients:
-            losses.append(window)
-            window = 0.0
+    while progress.epoch < args.epochs:
+        skip = progress.batches if (args.resume_from and not args.stateful and losses == []) else 0
+        batches = acc.skip_first_batches(loader, skip) if skip else loader
+        for inputs, targets in batches:
+            with acc.accumulate(model):
+                loss = model(inputs, targets)["loss"]
+                acc.backward(loss)
+                window += acc.reduce(loss.detach(), "mean").item() / args.grad_accum
+                optimizer.step()
+                optimizer.zero_grad()
+            progress.batches += 1
+            if acc.sync_gradients:
+                losses.append(window)
+                window = 0.0
+                progress.steps += 1
+                if progress.steps == args.save_at:
+                    acc.save_state(os.path.join(os.path.dirname(args.out), "ckpt"))
+                    break
+        if progress.steps == args.save_at:
+            break
+        progress.epoch += 1
+        progress.batches = 0
 
     seen = []
     for (values,) in eval_loader:

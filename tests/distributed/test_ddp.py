@@ -51,3 +51,18 @@ def test_ddp_regional_compile_matches_one_process_on_the_same_global_batch(tmp_p
 def test_gather_for_metrics_returns_exactly_the_dataset(tmp_path):
     result = run_worker(tmp_path, 2, "--eval-samples", "10")
     assert sorted(result["eval"]) == [float(i) for i in range(10)]
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, stateful):
+    common = ["--epochs", "2", "--shuffle"] + (["--stateful"] if stateful else [])
+    whole = run_worker(tmp_path, 2, *common)
+    assert len(whole["losses"]) == 4
+    first = run_worker(tmp_path, 2, *common, "--save-at", "1")
+    assert (tmp_path / "ckpt/kiln_checkpoint.json").is_file()
+    resumed = run_worker(tmp_path, 2, *common, "--resume-from", str(tmp_path / "ckpt"))
+    assert first["losses"] == whole["losses"][:1]
+    assert len(resumed["losses"]) == 3
+    for a, b in zip(resumed["losses"], whole["losses"][1:]):
+        assert abs(a - b) < 1e-5, (resumed["losses"], whole["losses"])
+    assert resumed["checksums"][0] == resumed["checksums"][1]
