@@ -6,11 +6,10 @@ Depends on every Kiln module; nothing in Kiln imports it back.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -28,11 +27,12 @@ from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.plugins import DISABLED_BACKENDS, DataLoaderConfiguration, TorchDynamoPlugin, parse_bool
 from kiln.precision import Precision, remove_precision_wrapper
+from kiln.process_api import ProcessAPI
 from kiln.resume import load_training_state, save_training_state
-from kiln.state import DistributedType, ProcessState
+from kiln.state import ProcessState
 
 
-class Accelerator:
+class Accelerator(ProcessAPI):
     """Makes a PyTorch training loop run compiled, in mixed precision, with gradient accumulation.
 
     >>> accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(use_regional_compilation=True),
@@ -71,43 +71,6 @@ class Accelerator:
         self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._optimizer_steps = 0
 
-    # ----- process facts -------------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.state.device
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        return self.state.distributed_type
-
-    @property
-    def num_processes(self) -> int:
-        return self.state.num_processes
-
-    @property
-    def process_index(self) -> int:
-        return self.state.process_index
-
-    @property
-    def local_process_index(self) -> int:
-        return self.state.local_process_index
-
-    @property
-    def is_main_process(self) -> bool:
-        return self.state.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self.state.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self.state.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self.num_processes > 1
-
     @property
     def mixed_precision(self) -> str:
         return self.precision.mode
@@ -132,14 +95,6 @@ class Accelerator:
         if self.num_processes == 1:
             return SingleProcess()
         return DDPStrategy(self.device)
-
-    def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on the main process only."""
-        if self.is_local_main_process:
-            print(*args, **kwargs)
-
-    def wait_for_everyone(self) -> None:
-        self.state.wait_for_everyone()
 
     # ----- prepare -------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
@@ -347,52 +302,7 @@ class Accelerator:
             save_state_dict(state_dict, save_directory, max_shard_size, safe_serialization)
         self.wait_for_everyone()
 
-    # ----- across processes ----------------------------------------------------------------
-    def gather(self, tensor: Any) -> Any:
-        """Each tensor concatenated along dim 0 over the processes, in rank order."""
-        return collectives.gather(tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """`gather`, minus the samples repeated at the end of an epoch to even out the processes,
-        so an evaluation loop sees each sample of the dataset exactly once."""
-        if use_gather_object or not collectives.holds_tensors(input_data):
-            gathered = [x for part in collectives.gather_object(input_data) for x in (part if isinstance(part, list) else [part])]
-        else:
-            gathered = collectives.gather(input_data)
-        loader = self.gradient_state.active_dataloader
-        padded = loader.padded_samples if loader is not None and self.gradient_state.end_of_dataloader else 0
-        if padded:
-            trim = lambda t: t[: len(t) - padded]  # noqa: E731
-            gathered = trim(gathered) if isinstance(gathered, list) else collectives.apply_to_tensors(gathered, trim)
-        return gathered
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        return collectives.reduce(tensor, reduction, scale)
-
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
-        return collectives.pad_across_processes(tensor, dim, pad_index, pad_first)
-
-    @contextlib.contextmanager
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
-        """This process's contiguous share of a list, tuple, dict of lists, or tensor (dim 0)."""
-        yield collectives.split_between(inputs, self.num_processes, self.process_index, apply_padding)
-
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
-        """The main process runs the block first (say, to download or cache), then the others."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
-
-    def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: the function runs on the main process only (returns None elsewhere)."""
-        @functools.wraps(function)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return function(*args, **kwargs) if self.is_main_process else None
-        return wrapper
-
+    # ----- data ----------------------------------------------------------------------------
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """A dataloader that starts after `num_batches` batches of this process (mid-epoch resume)."""
         return skip_first_batches(dataloader, num_batches)

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from kiln import collectives
 from kiln.checkpoint import load_state_dict, save_state_dict
 
 MANIFEST = "kiln_checkpoint.json"

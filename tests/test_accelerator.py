@@ -1,6 +1,5 @@
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from kiln import Accelerator, DistributedType, TorchDynamoPlugin

@@ -20,7 +20,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
