@@ -20,16 +20,17 @@ from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.regions import (KilnCompileWarning, compile_full, compile_regions, compiled_regions,
-                                  mark_warm, uncompile)
+                                  find_repeated_blocks, mark_warm, uncompile)
 from kiln.compile.report import CompileReport, compile_report
 from kiln.data import PreparedDataLoader, skip_first_batches
 from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
+from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
 from kiln.plugins import DISABLED_BACKENDS, DataLoaderConfiguration, TorchDynamoPlugin, parse_bool
 from kiln.precision import Precision, remove_precision_wrapper
 from kiln.process_api import ProcessAPI
 from kiln.resume import load_training_state, save_training_state
-from kiln.state import ProcessState
+from kiln.state import DistributedType, ProcessState
 
 
 class Accelerator(ProcessAPI):
@@ -50,6 +51,7 @@ class Accelerator(ProcessAPI):
         dynamo_backend: str | None = None,
         step_scheduler_with_optimizer: bool = True,
         dataloader_config: DataLoaderConfiguration | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
     ) -> None:
         self.state = ProcessState(cpu=cpu or _env_flag("KILN_USE_CPU"))
         self.device_placement = device_placement
@@ -58,7 +60,7 @@ class Accelerator(ProcessAPI):
         self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        self.strategy = self._choose_strategy()
+        self.strategy = self._choose_strategy(fsdp_plugin)
         # One shuffle seed for every process, so the sharded batches of an epoch agree.
         # torch.initial_seed() follows set_seed without drawing from (and shifting) the user's RNG.
         self.data_seed = collectives.broadcast_object(torch.initial_seed() % 2**31)
@@ -91,10 +93,26 @@ class Accelerator(ProcessAPI):
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._optimizers)
 
-    def _choose_strategy(self) -> Strategy:
+    def _choose_strategy(self, fsdp_plugin: FullyShardedDataParallelPlugin | None) -> Strategy:
+        """From the plugins passed, else the launcher's KILN_DISTRIBUTED_TYPE, else DDP."""
+        requested = os.environ.get("KILN_DISTRIBUTED_TYPE", "").strip().upper()
+        known = ("", "NO", "MULTI_CPU", "MULTI_GPU", "DDP", "FSDP")
+        if requested not in known:
+            raise ValueError(f"KILN_DISTRIBUTED_TYPE={requested!r} is not one of: {', '.join(known[1:])}")
+        if fsdp_plugin is None and requested == "FSDP":
+            fsdp_plugin = FullyShardedDataParallelPlugin()
         if self.num_processes == 1:
+            if fsdp_plugin is not None:
+                warnings.warn("FSDP was asked for, but this is a single process: training unsharded",
+                              UserWarning, stacklevel=3)
             return SingleProcess()
+        if fsdp_plugin is not None:
+            return FSDPStrategy(fsdp_plugin, self.precision.mode)
         return DDPStrategy(self.device)
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.strategy.distributed_type or self.state.distributed_type
 
     # ----- prepare -------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
@@ -110,10 +128,14 @@ class Accelerator(ProcessAPI):
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError("the same object was passed to prepare twice in one call")
         results: list[Any] = [None] * len(objects)
+        # Models first: a sharding strategy replaces their parameters, and optimizers must follow.
         for i, (obj, place) in enumerate(zip(objects, placements)):
             if isinstance(obj, nn.Module):
                 results[i] = self.prepare_model(obj, device_placement=place)
-            elif isinstance(obj, torch.optim.Optimizer):
+        for i, (obj, place) in enumerate(zip(objects, placements)):
+            if isinstance(obj, nn.Module):
+                continue
+            if isinstance(obj, torch.optim.Optimizer):
                 results[i] = self.prepare_optimizer(obj, device_placement=place)
             elif isinstance(obj, DataLoader):
                 results[i] = self.prepare_data_loader(obj, device_placement=place)
@@ -146,8 +168,11 @@ class Accelerator(ProcessAPI):
         self.precision.wrap_forward(model)
         if evaluation_mode:
             model.eval()
-        # Last, the strategy's wrapper (DDP) around the compiled, autocast model.
-        wrapped = model if evaluation_mode else self.strategy.wrap_model(model)
+        # Last, the strategy: DDP wraps, FSDP2 shards each block (the compiled ones) then the root.
+        regions = compiled_regions(model)
+        blocks = [p for r in regions if r.kind == "block" for p in r.paths] if regions else \
+            [p for paths in find_repeated_blocks(model).values() for p in paths]
+        wrapped = model if evaluation_mode else self.strategy.wrap_model(model, blocks)
         self._models.append(wrapped)
         self._prepared.add(model)
         self._prepared.add(wrapped)
@@ -160,6 +185,7 @@ class Accelerator(ProcessAPI):
             # Loaded optimizer state may sit on another device; a state_dict round trip moves it
             # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).
             optimizer.load_state_dict(optimizer.state_dict())
+        self.strategy.prepare_optimizer(optimizer)
         prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler, on_step=self._after_optimizer_step)
         self._optimizers.append(prepared)
         self._prepared.add(optimizer)
@@ -291,8 +317,9 @@ class Accelerator(ProcessAPI):
 
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The model's weights under the plain model's names, whatever wrappers it went through."""
-        module = self.unwrap_model(model) if unwrap else model
-        return clean_state_dict(module.state_dict())
+        if not unwrap:
+            return model.state_dict()
+        return clean_state_dict(self.strategy.full_state_dict(self.unwrap_model(model)))
 
     def save_model(self, model: nn.Module, save_directory: str | os.PathLike,
                    max_shard_size: int | str = "10GB", safe_serialization: bool = True) -> None:
@@ -319,8 +346,7 @@ class Accelerator(ProcessAPI):
         """Write models, optimizers, schedulers, scaler, RNG states, dataloader positions and
         registered objects; the folder appears only once complete. Returns its path."""
         target = save_training_state(
-            output_dir, model_state_dicts=[self.get_state_dict(m) for m in self._models],
-            optimizers=self._optimizers, schedulers=self._schedulers, dataloaders=self._dataloaders,
+            output_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers, schedulers=self._schedulers, dataloaders=self._dataloaders,
             custom=self._custom_objects, scaler=self.scaler, process_index=self.process_index,
             num_processes=self.num_processes, is_main_process=self.is_main_process,
             barrier=self.wait_for_everyone)
@@ -331,7 +357,7 @@ class Accelerator(ProcessAPI):
         incomplete checkpoint is an error naming the missing file. Dataloader positions come back
         only with `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches."""
         load_training_state(
-            input_dir, models=[self.unwrap_model(m) for m in self._models], optimizers=self._optimizers,
+            input_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
             schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
             scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes)
         self.wait_for_everyone()

@@ -6,7 +6,8 @@ Depends on torch, kiln.checkpoint and kiln.collectives only; never on the facade
 
 Layout of a checkpoint folder (each process writes its own RNG file; the main process the rest):
     kiln_checkpoint.json      manifest, written last: its presence means the folder is complete
-    model_{i}/                weights (safetensors), as save_model writes them
+    model_{i}/                weights (safetensors), as save_model writes them, or with a sharding
+    sharded_model_{i}/        strategy, that model and its optimizers, one shard per process (DCP)
     optimizer_{i}.bin, scheduler_{i}.bin, scaler.bin, dataloader_{i}.json, custom_{i}.bin
     random_states_{rank}.pkl
 """
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from kiln.checkpoint import load_state_dict, save_state_dict
+from kiln.checkpoint import clean_state_dict, load_state_dict, save_state_dict
+from kiln.parallel.base import Strategy
 
 MANIFEST = "kiln_checkpoint.json"
 FORMAT_VERSION = 1
@@ -54,10 +56,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_training_state(output_dir: str | os.PathLike, *, model_state_dicts: list, optimizers: list, schedulers: list,
-                        dataloaders: list, custom: list, scaler: Any, process_index: int,
+def _optimizers_of(model: torch.nn.Module, optimizers: list) -> list:
+    params = {id(p) for p in model.parameters()}
+    return [opt for opt in optimizers if any(id(p) in params for g in opt.param_groups for p in g["params"])]
+
+
+def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy: Strategy, optimizers: list,
+                        schedulers: list, dataloaders: list, custom: list, scaler: Any, process_index: int,
                         num_processes: int, is_main_process: bool, barrier: Any) -> Path:
-    """Write everything into a staging folder, then rename it onto `output_dir` in one step."""
+    """Write everything into a staging folder, then rename it onto `output_dir` in one step.
+
+    `models` are the prepared models; `optimizers` the prepared optimizers (their `.optimizer`
+    is the user's), in prepare order."""
     target = Path(output_dir).resolve()
     staging = target.with_name(f".{target.name}.kiln-staging")
     if is_main_process:
@@ -67,11 +77,21 @@ def save_training_state(output_dir: str | os.PathLike, *, model_state_dicts: lis
     with open(staging / f"random_states_{process_index}.pkl", "wb") as handle:
         pickle.dump(_rng_state(), handle)
     files = [f"random_states_{rank}.pkl" for rank in range(num_processes)]
+    if strategy.sharded_checkpoints:
+        for i, model in enumerate(models):  # a collective: every process writes its shard
+            owned = [opt.optimizer for opt in _optimizers_of(model, optimizers)]
+            files.append(strategy.save_sharded(staging, i, model, owned))
+    else:
+        state_dicts = [clean_state_dict(strategy.full_state_dict(model)) for model in models]
     if is_main_process:
-        for i, state_dict in enumerate(model_state_dicts):
-            save_state_dict(state_dict, staging / f"model_{i}")
-            files.append(f"model_{i}")
-        for prefix, objects in (("optimizer", optimizers), ("scheduler", schedulers), ("custom", custom)):
+        if not strategy.sharded_checkpoints:
+            for i, state_dict in enumerate(state_dicts):
+                save_state_dict(state_dict, staging / f"model_{i}")
+                files.append(f"model_{i}")
+            for i, opt in enumerate(optimizers):
+                torch.save(opt.state_dict(), staging / f"optimizer_{i}.bin")
+                files.append(f"optimizer_{i}.bin")
+        for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
             for i, obj in enumerate(objects):
                 torch.save(obj.state_dict(), staging / f"{prefix}_{i}.bin")
                 files.append(f"{prefix}_{i}.bin")
@@ -117,8 +137,8 @@ def read_manifest(input_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def load_training_state(input_dir: str | os.PathLike, *, models: list, optimizers: list, schedulers: list,
-                        dataloaders: list, custom: list, scaler: Any, process_index: int,
+def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy: Strategy, optimizers: list,
+                        schedulers: list, dataloaders: list, custom: list, scaler: Any, process_index: int,
                         num_processes: int) -> dict[str, Any]:
     """Restore what `save_training_state` wrote into the prepared objects, in the same order."""
     folder = Path(input_dir)
@@ -126,16 +146,29 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, optimizer
     if manifest["num_processes"] != num_processes:
         raise ValueError(f"checkpoint {folder} was written by {manifest['num_processes']} processes, "
                          f"this run has {num_processes}; the RNG and data positions would not line up")
+    sharded = any(f.startswith("sharded_model_") for f in manifest["files"])
+    if sharded != strategy.sharded_checkpoints:
+        raise ValueError(f"checkpoint {folder} was written {'per process (sharded)' if sharded else 'whole'}, "
+                         f"but this run's {strategy.name} strategy {'shards' if strategy.sharded_checkpoints else 'does not shard'}")
     counts = {prefix: sum(1 for f in manifest["files"] if f.startswith(prefix + "_"))
-              for prefix in ("model", "optimizer", "scheduler", "custom", "dataloader")}
+              for prefix in ("scheduler", "custom", "dataloader")}
+    counts["model"] = sum(1 for f in manifest["files"] if f.startswith(("model_", "sharded_model_")))
+    if not sharded:
+        counts["optimizer"] = sum(1 for f in manifest["files"] if f.startswith("optimizer_"))
     given = {"model": len(models), "optimizer": len(optimizers), "scheduler": len(schedulers),
              "custom": len(custom), "dataloader": len(dataloaders)}
-    for prefix, count in counts.items():
+    for prefix, count in counts.items():  # an optimizer count is checked only for whole checkpoints
         if count != given[prefix]:
             raise ValueError(f"checkpoint {folder} holds {count} {prefix}(s), this run prepared {given[prefix]}")
     for i, model in enumerate(models):
-        model.load_state_dict(load_state_dict(folder / f"model_{i}"))
-    for prefix, objects in (("optimizer", optimizers), ("scheduler", schedulers), ("custom", custom)):
+        if sharded:
+            strategy.load_sharded(folder, i, model, [opt.optimizer for opt in _optimizers_of(model, optimizers)])
+        else:
+            strategy.unwrap(model).load_state_dict(load_state_dict(folder / f"model_{i}"))
+    if not sharded:
+        for i, opt in enumerate(optimizers):
+            opt.load_state_dict(torch.load(folder / f"optimizer_{i}.bin", map_location="cpu", weights_only=False))
+    for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
         for i, obj in enumerate(objects):
             obj.load_state_dict(torch.load(folder / f"{prefix}_{i}.bin", map_location="cpu", weights_only=False))
     if scaler is not None:

@@ -24,7 +24,7 @@ class DDPStrategy(Strategy):
         self.device = device
         self.ddp_kwargs = ddp_kwargs
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (a frozen or evaluation-only model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None

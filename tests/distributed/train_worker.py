@@ -18,6 +18,7 @@ from toy_models import Regressor  # noqa: E402
 
 from kiln import Accelerator, TorchDynamoPlugin  # noqa: E402
 from kiln.compile.regions import compiled_regions  # noqa: E402
+from kiln.parallel.fsdp import FullyShardedDataParallelPlugin  # noqa: E402
 from kiln.plugins import DataLoaderConfiguration  # noqa: E402
 from kiln.utils import set_seed  # noqa: E402
 
@@ -48,6 +49,8 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=0, help="save_state after this many steps, then stop")
     parser.add_argument("--resume-from", default=None)
     parser.add_argument("--stateful", action="store_true")
+    parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--save-model", default=None)
     args = parser.parse_args()
 
     set_seed(0)
@@ -55,7 +58,8 @@ def main() -> None:
                                use_regional_compilation=True)
     acc = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
                       gradient_accumulation_steps=args.grad_accum,
-                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful))
+                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful),
+                      fsdp_plugin=FullyShardedDataParallelPlugin() if args.fsdp else None)
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
     per_process = args.global_batch // acc.num_processes
@@ -98,14 +102,17 @@ def main() -> None:
     for (values,) in eval_loader:
         seen.append(acc.gather_for_metrics(values))
     calls = sum(r.calls for r in compiled_regions(acc.unwrap_model(model)))
-    checksum = sum(p.double().sum().item() for p in acc.unwrap_model(model).parameters())
+    full = acc.get_state_dict(model)  # consolidated, plain keys, on every process
+    checksum = sum(t.double().sum().item() for t in full.values())
+    if args.save_model:
+        acc.save_model(model, args.save_model)
     all_calls = acc.gather(torch.tensor([calls])).tolist()
     all_checksums = acc.gather(torch.tensor([checksum], dtype=torch.float64)).tolist()
     if acc.is_main_process:
         with open(args.out, "w") as handle:
             json.dump({"losses": losses, "calls": all_calls, "checksums": all_checksums,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
-                       "distributed_type": str(acc.distributed_type.value)}, handle)
+                       "distributed_type": str(acc.distributed_type.value), "keys": sorted(full)}, handle)
     acc.end_training()
 
 

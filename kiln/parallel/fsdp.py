@@ -1,0 +1,109 @@
+"""FSDP2 (`fully_shard`): each repeated block is sharded on its own, then the root; parameters,
+gradients and optimizer state live in shards, and checkpoints are written per process with
+torch.distributed.checkpoint.
+
+Depends on torch and kiln.parallel.base only. The blocks arrive compiled in place; FSDP2's hooks
+gather each block's parameters around its compiled forward (DESIGN.md: compile each block, then
+shard each block, then the root).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from kiln.parallel.base import Strategy
+from kiln.state import DistributedType
+
+_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class FullyShardedDataParallelPlugin:
+    """FSDP2 settings.
+
+    reshard_after_forward: free each block's gathered parameters after its forward (less memory,
+    one more all-gather in backward). mixed_precision: compute dtype of the sharded parameters
+    ("bf16", "fp16", "no"); None follows the Accelerator's `mixed_precision`. Gradients are
+    always reduced in fp32.
+    """
+
+    reshard_after_forward: bool = True
+    mixed_precision: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision is not None and self.mixed_precision not in _DTYPES:
+            raise ValueError(f"unknown FSDP mixed_precision {self.mixed_precision!r}; choose one of: "
+                             f"{', '.join(_DTYPES)}")
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    distributed_type = DistributedType.FSDP
+    sharded_checkpoints = True
+
+    def __init__(self, plugin: FullyShardedDataParallelPlugin, mixed_precision: str) -> None:
+        self.plugin = plugin
+        self.param_dtype = _DTYPES[plugin.mixed_precision or mixed_precision]
+        self._new_parameter: dict[int, nn.Parameter] = {}  # id(old parameter) -> its sharded successor
+
+    def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        names = {id(p): name for name, p in model.named_parameters()}
+        # Blocks first, each its own unit, so only one block's parameters are gathered at a time.
+        for path in block_paths:
+            fully_shard(model.get_submodule(path), mp_policy=policy,
+                        reshard_after_forward=self.plugin.reshard_after_forward)
+        fully_shard(model, mp_policy=policy, reshard_after_forward=self.plugin.reshard_after_forward)
+        sharded = dict(model.named_parameters())
+        self._new_parameter.update({old: sharded[name] for old, name in names.items()})
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer.state:
+            raise ValueError("this optimizer already has state; with FSDP, prepare the optimizer before "
+                             "its first step (its parameters are replaced by sharded ones)")
+        for group in optimizer.param_groups:
+            group["params"] = [self._new_parameter.get(id(p), p) for p in group["params"]]
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Every process takes part in gathering; full tensors, on the CPU, on every process.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        return {k: v.cpu() for k, v in get_model_state_dict(model, options=options).items()}
+
+    def save_sharded(self, folder: Path, index: int, model: nn.Module,
+                     optimizers: list[torch.optim.Optimizer]) -> str:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizers)
+        name = f"sharded_model_{index}"
+        dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=str(folder / name))
+        return name
+
+    def load_sharded(self, folder: Path, index: int, model: nn.Module,
+                     optimizers: list[torch.optim.Optimizer]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizers)
+        state = {"model": model_state, "optimizers": optimizer_state}
+        dcp.load(state, checkpoint_id=str(folder / f"sharded_model_{index}"))
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
