@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from kiln import collectives
 from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
+from kiln.compile.cache import CompileCache
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.regions import (KilnCompileWarning, compile_full, compile_regions, compiled_regions,
                                   find_repeated_blocks, mark_warm, uncompile)
@@ -72,6 +73,9 @@ class Accelerator(ProcessAPI):
         # Both what the user passed and what prepare returned, so neither is prepared twice.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._optimizer_steps = 0
+        self.compile_cache = self._open_compile_cache()
+        self._cache_keys: list[str] = []
+        self._graphs_saved = 0
 
     @property
     def mixed_precision(self) -> str:
@@ -165,6 +169,13 @@ class Accelerator(ProcessAPI):
                                 recompile=plugin.recompile, **kwargs)
             else:
                 compile_full(model, recompile=plugin.recompile, **kwargs)
+            if self.compile_cache is not None:
+                # Before the first compiled call: the artifacts of an earlier run fill the caches.
+                settings = {**kwargs, "precision": self.precision.mode,
+                            "regional": plugin.use_regional_compilation, "strategy": self.strategy.name}
+                key = self.compile_cache.key(model, settings, self.device)
+                self.compile_cache.load(key)
+                self._cache_keys.append(key)
         self.precision.wrap_forward(model)
         if evaluation_mode:
             model.eval()
@@ -374,13 +385,34 @@ class Accelerator(ProcessAPI):
 
         >>> print(accelerator.compile_report().table())   # or .as_dict() for a logger
         """
-        return compile_report(*(self.unwrap_model(m) for m in self._models))
+        stats = self.compile_cache.stats.as_dict() if self.compile_cache is not None else None
+        return compile_report(*(self.unwrap_model(m) for m in self._models), artifact_cache=stats)
 
     def end_training(self) -> None:
         """The end of a run: prints the compile report on the main process."""
+        self._save_compile_cache()
         if any(compiled_regions(self.unwrap_model(model)) for model in self._models):
             self.print(self.compile_report().table())
         self.wait_for_everyone()
+
+    def _open_compile_cache(self) -> CompileCache | None:
+        """The warm-start cache, pointed at before anything compiles (Inductor reads its folder then)."""
+        plugin = self.dynamo_plugin
+        if plugin is None or not plugin.enabled:
+            return None
+        cache = CompileCache(plugin.cache_dir, plugin.cache, is_writer=self.is_main_process)
+        cache.activate()
+        return cache if cache.enabled else None
+
+    def _save_compile_cache(self) -> None:
+        """Save what was compiled since the last save (the main process writes, all read)."""
+        if self.compile_cache is None:
+            return
+        graphs = self.compile_report().graphs
+        if graphs > self._graphs_saved:
+            for key in self._cache_keys:
+                self.compile_cache.save(key)
+            self._graphs_saved = graphs
 
     def _after_optimizer_step(self) -> None:
         """After the warm-up steps: recompiles meet the policy, and silent regions are called out."""
@@ -390,6 +422,7 @@ class Accelerator(ProcessAPI):
             return
         for model in self._models:
             mark_warm(self.unwrap_model(model))
+        self._save_compile_cache()  # forward and backward are compiled by now
         for region in self.compile_report().regions:
             if region.silent:
                 how = (f"its {region.invocations} call(s) all ran eagerly" if region.invocations

@@ -20,3 +20,12 @@ def fresh_dynamo():
     torch.manual_seed(0)
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_compile_cache(tmp_path_factory):
+    """Kiln's warm-start cache (and Inductor's, which it points at) live in a folder of this test
+    session, never in the user's ~/.cache."""
+    folder = tmp_path_factory.mktemp("kiln-compile-cache")
+    os.environ["KILN_COMPILE_CACHE_DIR"] = str(folder)
+    yield folder

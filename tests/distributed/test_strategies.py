@@ -23,7 +23,7 @@ def free_port() -> int:
 
 def run_worker(tmp_path, processes, *args):
     out = tmp_path / f"result_{processes}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
     env["PYTHONPATH"] = str(ROOT)
     command = [sys.executable, str(HERE / "train_worker.py"), "--out", str(out), *args]
     if processes > 1:

@@ -12,9 +12,10 @@ from safetensors import safe_open
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(args, cwd):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+def _run(args, cwd, **extra_env):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
     env["PYTHONPATH"] = str(ROOT)
+    env.update(extra_env)
     done = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
@@ -41,11 +42,15 @@ def test_demo_trains_and_reports_compiled_blocks(tmp_path):
 
 
 @pytest.mark.inductor
-def test_demo_with_inductor_in_bf16(tmp_path):
-    out = _run([str(ROOT / "examples/train_lm.py"), "--steps", "4", "--log-every", "2", "--layers", "2",
-                "--width", "64", "--batch", "4", "--seq", "32", "--precision", "bf16",
-                "--out", str(tmp_path / "weights")], tmp_path)
-    assert re.search(r"compiled region  GPT2Block: 2 instance\(s\) share 1 graph\(s\), ran compiled 16 times", out), out
+def test_demo_with_inductor_in_bf16_starts_warm_the_second_time(tmp_path):
+    args = [str(ROOT / "examples/train_lm.py"), "--steps", "4", "--log-every", "2", "--layers", "2",
+            "--width", "64", "--batch", "4", "--seq", "32", "--precision", "bf16", "--out", str(tmp_path / "weights")]
+    cache = str(tmp_path / "cache")
+    cold = _run(args, tmp_path, KILN_COMPILE_CACHE_DIR=cache)
+    assert re.search(r"compiled region  GPT2Block: 2 instance\(s\) share 1 graph\(s\), ran compiled 16 times", cold), cold
+    assert "warm-start cache: hits 0, misses 1, saves 1" in cold
+    warm = _run(args, tmp_path, KILN_COMPILE_CACHE_DIR=cache)
+    assert "warm-start cache: hits 1, misses 0" in warm, warm
 
 
 def test_compile_benchmark_runs_each_row_in_a_fresh_process(tmp_path):

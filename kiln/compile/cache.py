@@ -1,0 +1,497 @@
+"""Warm starts: keep what torch.compile built on disk, so the next run of the same job skips the cold compile.
+
+Depends on torch and kiln.plugins (its boolean parser) only; never on the facade, a strategy or the
+rest of the compile package.
+
+Two things survive a process, both under one folder (default ~/.cache/kiln/compile):
+- `inductor/`: Inductor's own disk cache (FX graphs, AOTAutograd entries, built C++/Triton kernels),
+  reached through TORCHINDUCTOR_CACHE_DIR. On a CPU this is what makes a warm start fast: the built
+  kernels are there and gcc does not run again.
+- `<key>.kiln`: the bytes of `torch.compiler.save_cache_artifacts()` (FX graph and AOTAutograd
+  entries, not built kernels) in a checked envelope, for `load_cache_artifacts()` to refill a fresh
+  Inductor folder (another machine, a wiped /tmp). Layout: the MAGIC line, one JSON header line
+  (format, key, versions, created, payload_sha256, payload_bytes, description), then the payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import re
+import secrets
+import shutil
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from kiln.plugins import parse_bool
+
+MAGIC = b"KILN-COMPILE-CACHE\n"
+FORMAT_VERSION = 1
+ENTRY_SUFFIX = ".kiln"
+TEMP_PREFIX = ".tmp-"
+ENV_DIR = "KILN_COMPILE_CACHE_DIR"
+ENV_ENABLED = "KILN_COMPILE_CACHE"
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+DEFAULT_DIR = "~/.cache/kiln/compile"
+MAX_HEADER_BYTES = 64 * 1024
+# The TORCHINDUCTOR_CACHE_DIR value Kiln last wrote in this process, so a second CompileCache can
+# tell Kiln's own setting (which it may move) from the user's (which it must keep).
+_kiln_inductor_dir: str | None = None
+
+
+class KilnCacheWarning(UserWarning):
+    """A compile-cache entry could not be used or written; the compile runs cold instead."""
+
+
+class CorruptEntryError(ValueError):
+    """An entry file that is not a complete, consistent Kiln cache entry; says what is wrong."""
+
+
+@dataclass
+class CacheStats:
+    """What the cache did in this process, for the compile report."""
+
+    hits: int = 0
+    misses: int = 0  # no entry, or an entry that could not be used
+    saves: int = 0  # entry files written
+    rejected: int = 0  # entries found but unusable (each also warned about and counted as a miss)
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class CacheEntryInfo:
+    """One entry file as `kiln cache ls` shows it; `problem` is set (and the rest may be None) when
+    the file is not a usable entry."""
+
+    file: Path
+    size: int
+    created: float | None
+    description: str
+    torch_version: str | None
+    key: str | None = None
+    problem: str | None = None
+
+    @property
+    def corrupt(self) -> bool:
+        return self.problem is not None
+
+
+class CompileCache:
+    """Saves and loads compiled artifacts by a key over everything that makes them valid.
+
+    Typical use, around the first compiled step:
+
+    >>> cache = CompileCache()                       # ~/.cache/kiln/compile, or KILN_COMPILE_CACHE_DIR
+    >>> cache.activate()                             # Inductor's disk cache goes under it too
+    >>> key = cache.key(model, {"backend": "inductor", "mode": None}, torch.device("cpu"))
+    >>> cache.load(key)                              # True on a warm start
+    >>> ...compile, run the first step...
+    >>> cache.save(key)                              # rank 0 only (is_writer)
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None, enabled: bool | None = None,
+                 is_writer: bool = True) -> None:
+        if directory is None:
+            directory = os.environ.get(ENV_DIR) or DEFAULT_DIR
+        if enabled is None:
+            value = os.environ.get(ENV_ENABLED)
+            enabled = True if value is None else parse_bool(value, ENV_ENABLED)
+        self.directory = Path(directory).expanduser().absolute()
+        self.enabled = bool(enabled)
+        self.is_writer = is_writer
+        self.stats = CacheStats()
+        self.inductor_dir_source: str | None = None  # "kiln" or "user" once activated
+        self._descriptions: dict[str, str] = {}  # key -> the line `kiln cache ls` shows
+
+    def __repr__(self) -> str:
+        return (f"CompileCache(directory={str(self.directory)!r}, enabled={self.enabled}, "
+                f"is_writer={self.is_writer})")
+
+    # ----- Inductor's own disk cache --------------------------------------------------------
+    @property
+    def inductor_dir(self) -> Path:
+        """The Inductor folder Kiln owns (the one `clear` removes); see `inductor_dir_in_use`."""
+        return self.directory / "inductor"
+
+    @property
+    def inductor_dir_in_use(self) -> Path:
+        """Where Inductor caches now: the user's TORCHINDUCTOR_CACHE_DIR if set, else Kiln's folder."""
+        if self.inductor_dir_source == "user":
+            return Path(os.environ[INDUCTOR_ENV])
+        return self.inductor_dir
+
+    def activate(self) -> None:
+        """Point Inductor's disk cache at `<directory>/inductor`, unless the user chose a folder.
+
+        Idempotent; does nothing when disabled. Call before the first compile of the process.
+        """
+        global _kiln_inductor_dir
+        if not self.enabled:
+            return
+        current = os.environ.get(INDUCTOR_ENV)
+        if current and not _set_by_kiln_or_torch(current, self.inductor_dir):
+            self.inductor_dir_source = "user"
+            return
+        try:
+            self.inductor_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            warnings.warn(f"compile cache disabled: cannot create {self.inductor_dir} ({exc}); "
+                          f"set {ENV_DIR} to a writable folder", KilnCacheWarning, stacklevel=2)
+            self.enabled = False
+            return
+        os.environ[INDUCTOR_ENV] = _kiln_inductor_dir = str(self.inductor_dir)
+        self.inductor_dir_source = "kiln"
+
+    # ----- keys ----------------------------------------------------------------------------
+    def key(self, model: nn.Module, compile_kwargs: dict[str, Any], device: torch.device | str) -> str:
+        """A hex digest over everything that decides whether saved artifacts fit this job.
+
+        Covers torch, triton and python versions, the device type and name, the compile settings
+        (backend, mode, options, fullgraph, dynamic, and mixed precision under "precision") and
+        the model's structure (module classes, parameter and buffer names, shapes and dtypes).
+        The same job gives the same key in every process.
+        """
+        device = torch.device(device)
+        settings = normalize_compile_settings(compile_kwargs)
+        digest = hashlib.sha256()
+        environment = {
+            "format": FORMAT_VERSION, "torch": torch.__version__, "triton": triton_version(),
+            "python": f"{platform.python_implementation()} {platform.python_version()}",
+            "machine": platform.machine(), "device_type": device.type, "device_name": device_name(device),
+            "settings": settings,
+        }
+        digest.update(_canonical_json(environment).encode())
+        for line in model_structure(model):
+            digest.update(line.encode())
+            digest.update(b"\n")
+        key = digest.hexdigest()
+        self._descriptions[key] = describe(model, settings, device)
+        return key
+
+    def entry_path(self, key: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{16,128}", key):
+            raise ValueError(f"cache key {key!r} is not a hex digest; use CompileCache.key(...) to make one")
+        return self.directory / f"{key}{ENTRY_SUFFIX}"
+
+    # ----- load and save -------------------------------------------------------------------
+    def load(self, key: str) -> bool:
+        """Load the artifacts saved under `key` into torch's caches; True on a hit.
+
+        No entry is a silent miss. An unusable entry gives one KilnCacheWarning saying which file
+        and why, and a miss: the compile then runs cold. Never raises for a bad entry.
+        """
+        if not self.enabled:
+            return False
+        self.activate()  # load_cache_artifacts writes into Inductor's folder: it must be ours by now
+        path = self.entry_path(key)
+        try:
+            header, payload = read_entry(path)
+            if header["key"] != key:
+                raise CorruptEntryError(f"it was saved under key {header['key']!r}, not the requested {key!r}")
+            if header.get("torch") != torch.__version__:
+                raise CorruptEntryError(f"it was written by torch {header.get('torch')}, this is torch "
+                                        f"{torch.__version__}")
+            try:
+                info = torch.compiler.load_cache_artifacts(payload)
+            except Exception as exc:  # torch's own deserializer failing must not stop the job
+                raise CorruptEntryError(f"torch.compiler.load_cache_artifacts raised "
+                                        f"{type(exc).__name__}: {exc}") from None
+            if info is None:
+                raise CorruptEntryError("torch.compiler.load_cache_artifacts could not read the artifacts")
+        except FileNotFoundError:
+            self.stats.misses += 1
+            return False
+        except (CorruptEntryError, OSError) as exc:
+            self.stats.misses += 1
+            self.stats.rejected += 1
+            warnings.warn(f"compile cache entry {path} not used: {exc}; compiling cold "
+                          f"(`kiln cache clear` removes bad entries)", KilnCacheWarning, stacklevel=2)
+            return False
+        self.stats.hits += 1
+        return True
+
+    def save(self, key: str) -> bool:
+        """Save what this process compiled under `key`; True when the entry now holds it.
+
+        Only a writer (rank 0) saves. Returns False when disabled, not the writer, or when torch has
+        nothing to save (backends other than Inductor leave no artifacts). Artifacts of every
+        compile in this process go into the entry. A failed write warns and leaves the old entry.
+        """
+        if not self.enabled or not self.is_writer:
+            return False
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return False
+        payload, info = saved
+        if not payload:
+            return False
+        path = self.entry_path(key)
+        artifacts = dict(getattr(info, "artifacts", None) or {})
+        payload_digest = hashlib.sha256(payload).hexdigest()
+        # A warm run re-records what it loaded, in another order (torch 2.13), so the payload bytes
+        # differ while the artifacts are the same: compare the artifacts' cache keys, not the bytes.
+        contents = _artifacts_digest(artifacts) if artifacts else payload_digest
+        if _existing_artifacts_digest(path) == contents:
+            return True
+        header = {
+            "format": FORMAT_VERSION, "key": key, "torch": torch.__version__, "triton": triton_version(),
+            "python": platform.python_version(), "created": time.time(),
+            "payload_sha256": payload_digest, "payload_bytes": len(payload),
+            "description": self._descriptions.get(key, ""),
+            "artifacts": {kind: len(keys) for kind, keys in artifacts.items()}, "artifacts_sha256": contents,
+        }
+        try:
+            write_atomically(path, MAGIC + _canonical_json(header).encode() + b"\n" + payload)
+        except OSError as exc:
+            warnings.warn(f"compile cache entry {path} not written: {exc}", KilnCacheWarning, stacklevel=2)
+            return False
+        self.stats.saves += 1
+        return True
+
+    # ----- housekeeping (`kiln cache ls`, `kiln cache clear`) ------------------------------
+    def entries(self) -> list[CacheEntryInfo]:
+        """Every entry file, newest first; unreadable ones are listed with their problem."""
+        found = []
+        for path in self._entry_files():
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue  # removed while listing
+            try:
+                header, _ = read_entry(path)
+            except (CorruptEntryError, OSError) as exc:
+                found.append(CacheEntryInfo(path, size, None, "", None, problem=str(exc)))
+                continue
+            found.append(CacheEntryInfo(path, size, header.get("created"), header.get("description", ""),
+                                        header.get("torch"), header.get("key")))
+        return sorted(found, key=lambda e: (e.created is None, -(e.created or 0), e.file.name))
+
+    def clear(self) -> int:
+        """Remove Kiln's entries, stale temporary files and Kiln's Inductor folder; return the number
+        of entries removed. A user-chosen TORCHINDUCTOR_CACHE_DIR is never touched."""
+        removed = 0
+        for path in self._entry_files():
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                pass
+        for path in self.directory.glob(TEMP_PREFIX + "*") if self.directory.is_dir() else ():
+            path.unlink(missing_ok=True)
+        shutil.rmtree(self.inductor_dir, ignore_errors=True)
+        return removed
+
+    def _entry_files(self) -> Iterator[Path]:
+        if not self.directory.is_dir():
+            return iter(())
+        return (p for p in self.directory.iterdir() if p.suffix == ENTRY_SUFFIX and p.is_file())
+
+
+# ---------------------------------------------------------------- entry files
+
+def read_entry(path: Path) -> tuple[dict[str, Any], bytes]:
+    """The header and payload of one entry file; CorruptEntryError says what is wrong with it."""
+    data = Path(path).read_bytes()
+    if not data.startswith(MAGIC):
+        raise CorruptEntryError("it is not a Kiln compile cache entry (bad magic line)")
+    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+    if end < 0:
+        raise CorruptEntryError("its header line is missing or cut off (truncated file?)")
+    try:
+        header = json.loads(data[len(MAGIC):end])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptEntryError(f"its header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise CorruptEntryError("its header is not a JSON object")
+    if header.get("format") != FORMAT_VERSION:
+        raise CorruptEntryError(f"it has format {header.get('format')!r}; this Kiln reads format {FORMAT_VERSION}")
+    missing = [k for k in ("key", "torch", "payload_sha256", "payload_bytes") if k not in header]
+    if missing:
+        raise CorruptEntryError(f"its header lacks {', '.join(missing)}")
+    payload = data[end + 1:]
+    if len(payload) != header["payload_bytes"]:
+        raise CorruptEntryError(f"its payload is {len(payload)} bytes, the header says "
+                                f"{header['payload_bytes']} (truncated or appended to)")
+    if hashlib.sha256(payload).hexdigest() != header["payload_sha256"]:
+        raise CorruptEntryError("its payload does not match the checksum in its header (corrupted bytes)")
+    return header, payload
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so that readers see the old file or the complete new one, never a part.
+
+    A temporary file in the same folder (same filesystem, so the rename is atomic) is written,
+    flushed and fsynced, then renamed over `path`. On any error the temporary file is removed.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    # os.open with 0o666 honours the umask, as a plain open() would (mkstemp would force 0600).
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable on POSIX; not possible (nor needed) on Windows.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _artifacts_digest(artifacts: dict[str, list[str]]) -> str:
+    """A digest over the artifacts' cache keys, whatever order torch serialized them in."""
+    lines = sorted(f"{kind}:{key}" for kind, keys in artifacts.items() for key in keys)
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _existing_artifacts_digest(path: Path) -> str | None:
+    try:
+        header, _ = read_entry(path)
+    except (CorruptEntryError, OSError):
+        return None
+    return header.get("artifacts_sha256")
+
+
+def _set_by_kiln_or_torch(value: str, ours: Path) -> bool:
+    """True when TORCHINDUCTOR_CACHE_DIR holds Kiln's folder or torch's default, not a user choice.
+
+    torch writes its default folder back into the environment on first use (cache_dir_utils.
+    cache_dir, torch 2.13), so a process that compiled before `activate` holds that default.
+    """
+    value = os.path.abspath(value)
+    if value in (str(ours), _kiln_inductor_dir):
+        return True
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return False
+    return value == os.path.abspath(default_cache_dir())
+
+
+# ---------------------------------------------------------------- what the key is made of
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return getattr(triton, "__version__", "unknown")
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's name (CUDA: name and compute capability) or, on a CPU, the CPU model."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
+    if device.type == "cpu":
+        return cpu_model()
+    return f"{device.type} on {platform.machine()}"
+
+
+def cpu_model() -> str:
+    """The CPU model name: it decides which vector instructions Inductor's C++ kernels use."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def normalize_compile_settings(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The compile settings with torch's defaults filled in, as plain JSON values.
+
+    Defaults are filled so that `{}` and `{"backend": "inductor", "mode": "default"}` give one key.
+    """
+    settings = {"backend": "inductor", "mode": "default", "options": {}, "fullgraph": False,
+                "dynamic": None, "precision": "no"}
+    for name, value in compile_kwargs.items():
+        if value is not None or name == "dynamic":
+            settings[name] = value
+    if settings["mode"] is None:
+        settings["mode"] = "default"
+    return {name: _stable(value) for name, value in settings.items()}
+
+
+def model_structure(model: nn.Module) -> Iterator[str]:
+    """One line per module (path and class), parameter and buffer (name, shape, dtype)."""
+    for name, module in model.named_modules():
+        yield f"module {name} {_qualified_name(type(module))}"
+    for name, param in model.named_parameters():
+        yield f"param {name} {tuple(param.shape)} {param.dtype} grad={param.requires_grad}"
+    for name, buffer in model.named_buffers():
+        yield f"buffer {name} {tuple(buffer.shape)} {buffer.dtype}"
+
+
+def describe(model: nn.Module, settings: dict[str, Any], device: torch.device) -> str:
+    """A short human line for `kiln cache ls`: what model, how compiled, where."""
+    params = sum(p.numel() for p in model.parameters())
+    text = (f"{type(model).__name__} ({_human_count(params)} params), backend={settings['backend']}, "
+            f"mode={settings['mode']}")
+    for name in ("fullgraph", "dynamic"):
+        if settings[name]:
+            text += f", {name}={settings[name]}"
+    if settings["precision"] != "no":
+        text += f", precision={settings['precision']}"
+    return f"{text}, {device.type}"
+
+
+def _human_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _qualified_name(obj: Any) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def _stable(value: Any) -> Any:
+    """A JSON value that is the same in every process: no ids, no memory addresses."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _stable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [_stable(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted(str(_stable(v)) for v in value)
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return _qualified_name(value)  # a backend function or class, by name
+    if callable(value):
+        return _qualified_name(type(value))  # a backend object: by its class
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", f"{_qualified_name(type(value))}:{value!r}")
+
+
+def _canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
