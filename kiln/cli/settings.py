@@ -1,0 +1,151 @@
+"""Launch settings: one table of what `kiln config` writes and `kiln launch` reads, with the
+environment variable each setting becomes in every process.
+
+Depends on the standard library and PyYAML only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+DEFAULT_CONFIG = Path(os.environ.get("KILN_CONFIG_FILE", "~/.cache/kiln/default_config.yaml")).expanduser()
+DISTRIBUTED_TYPES = ("no", "ddp", "fsdp", "deepspeed")
+PRECISIONS = ("no", "fp16", "bf16")
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean; use true or false")
+
+
+def _tristate(value: Any) -> bool | None:
+    return None if value is None or str(value).strip().lower() in ("none", "auto", "") else _bool(value)
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"{value!r} is not one of: {', '.join(choices)}")
+        return text
+    return check
+
+
+def _positive(value: Any) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError(f"{value!r} must be at least 1")
+    return number
+
+
+def _non_negative(value: Any) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError(f"{value!r} must be 0 or more")
+    return number
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: Any
+    parse: Callable[[Any], Any]
+    env: str | None  # the variable every launched process gets, if any
+    help: str
+
+
+SETTINGS = (
+    Setting("num_processes", 1, _positive, None, "processes in all, over every machine"),
+    Setting("num_machines", 1, _positive, None, "machines taking part"),
+    Setting("machine_rank", 0, _non_negative, None, "this machine's index, 0 for the main one"),
+    Setting("main_process_ip", "127.0.0.1", str, None, "address of machine 0 (rendezvous)"),
+    Setting("main_process_port", 29500, _positive, None, "port on machine 0 (rendezvous)"),
+    Setting("distributed_type", "ddp", _choice(DISTRIBUTED_TYPES), "KILN_DISTRIBUTED_TYPE",
+            "how processes share the model"),
+    Setting("mixed_precision", "no", _choice(PRECISIONS), "KILN_MIXED_PRECISION", "autocast dtype"),
+    Setting("use_cpu", False, _bool, "KILN_USE_CPU", "train on the CPU even with a GPU"),
+    Setting("dynamo_backend", "no", str, "KILN_DYNAMO_BACKEND", "torch.compile backend; 'no' for none"),
+    Setting("dynamo_mode", None, lambda v: None if v in (None, "") else str(v), "KILN_DYNAMO_MODE",
+            "Inductor mode"),
+    Setting("dynamo_use_fullgraph", False, _bool, "KILN_DYNAMO_USE_FULLGRAPH", "fullgraph=True"),
+    Setting("dynamo_use_dynamic", None, _tristate, "KILN_DYNAMO_USE_DYNAMIC", "dynamic shapes: true/false/none"),
+    Setting("dynamo_use_regional_compilation", False, _bool, "KILN_DYNAMO_USE_REGIONAL_COMPILATION",
+            "compile each repeated block once"),
+    Setting("process_group_timeout", 600, _positive, "KILN_PROCESS_GROUP_TIMEOUT",
+            "seconds a collective waits for a lost process"),
+)
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings of a YAML file; unknown keys and bad values are errors that name them."""
+    import yaml
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"no config file at {file}; write one with `kiln config`")
+    raw = yaml.safe_load(file.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a mapping of settings, not {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"{file}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
+    return {name: _parse(name, value, str(file)) for name, value in raw.items()}
+
+
+def _parse(name: str, value: Any, source: str) -> Any:
+    try:
+        return BY_NAME[name].parse(value) if value is not None else None
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{source}: {name}: {error}") from None
+
+
+def resolve(flags: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Flags win over the config file, which wins over the defaults. `settings["explicit"]` names
+    the settings that came from a flag or the file."""
+    settings: dict[str, Any] = {"explicit": {n for n in BY_NAME if flags.get(n) is not None or n in config}}
+    for setting in SETTINGS:
+        if flags.get(setting.name) is not None:
+            settings[setting.name] = _parse(setting.name, flags[setting.name], "--" + setting.name)
+        elif setting.name in config:
+            settings[setting.name] = config[setting.name]
+        else:
+            settings[setting.name] = setting.default
+    if settings["num_processes"] % settings["num_machines"]:
+        raise ValueError(f"num_processes={settings['num_processes']} does not split evenly over "
+                         f"num_machines={settings['num_machines']}")
+    if settings["machine_rank"] >= settings["num_machines"]:
+        raise ValueError(f"machine_rank={settings['machine_rank']} but num_machines={settings['num_machines']}")
+    return settings
+
+
+def process_environment(settings: dict[str, Any]) -> dict[str, str]:
+    """The variables every launched process gets, so every setting given reaches every process.
+
+    Settings left at their defaults are not exported: the script's own arguments and the shell's
+    environment then decide, as they would without the launcher."""
+    env = {}
+    for setting in SETTINGS:
+        value = settings[setting.name]
+        if setting.env is None or value is None or setting.name not in settings["explicit"]:
+            continue
+        env[setting.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    if settings["dynamo_backend"] in ("no", "none"):
+        for name in ("KILN_DYNAMO_MODE", "KILN_DYNAMO_USE_FULLGRAPH", "KILN_DYNAMO_USE_DYNAMIC",
+                     "KILN_DYNAMO_USE_REGIONAL_COMPILATION"):
+            env.pop(name, None)
+    return env
+
+
+def add_setting_flags(parser: Any) -> None:
+    for setting in SETTINGS:
+        parser.add_argument(f"--{setting.name}", default=None, help=f"{setting.help} (default: {setting.default})")

@@ -1,0 +1,144 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kiln.cli import main
+from kiln.cli.config import ask
+from kiln.cli.launch import build_command
+from kiln.cli.settings import load_config_file, process_environment, resolve
+
+ROOT = Path(__file__).resolve().parents[2]
+PROBE = Path(__file__).resolve().parent / "launch_probe.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kiln(*args, timeout=300, **popen):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
+    env["PYTHONPATH"] = str(ROOT)
+    env["KILN_CONFIG_FILE"] = "/nonexistent/kiln.yaml"  # never the user's own default file
+    return subprocess.run([sys.executable, "-m", "kiln", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, **popen)
+
+
+def test_flags_win_over_the_file_which_wins_over_defaults(tmp_path):
+    path = tmp_path / "k.yaml"
+    path.write_text(yaml.safe_dump({"num_processes": 4, "mixed_precision": "bf16", "dynamo_backend": "eager"}))
+    settings = resolve({"mixed_precision": "fp16"}, load_config_file(path))
+    assert (settings["num_processes"], settings["mixed_precision"], settings["dynamo_backend"]) == (4, "fp16", "eager")
+    assert settings["num_machines"] == 1  # default
+    env = process_environment(settings)
+    assert env == {"KILN_MIXED_PRECISION": "fp16", "KILN_DYNAMO_BACKEND": "eager"}
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"num_procs": 2}, "unknown setting"),
+    ({"mixed_precision": "fp8"}, "mixed_precision: 'fp8' is not one of"),
+    ({"dynamo_use_fullgraph": "maybe"}, "not a boolean"),
+    ({"num_processes": 3, "num_machines": 2}, "does not split evenly"),
+])
+def test_bad_config_files_are_named_errors(tmp_path, content, message):
+    path = tmp_path / "k.yaml"
+    path.write_text(yaml.safe_dump(content))
+    with pytest.raises(ValueError, match=message):
+        resolve({}, load_config_file(path))
+
+
+def test_commands_for_one_process_one_machine_and_many():
+    one = resolve({}, {})
+    assert build_command(one, "train.py", ["--x"]) == [sys.executable, "train.py", "--x"]
+    two = resolve({"num_processes": 4, "num_machines": 2, "machine_rank": 1, "main_process_ip": "10.0.0.1",
+                   "main_process_port": 29501}, {})
+    assert build_command(two, "train.py", []) == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=2", "--node_rank=1",
+        "--master_addr=10.0.0.1", "--master_port=29501", "train.py"]
+
+
+def test_config_writes_what_launch_reads(tmp_path):
+    path = tmp_path / "kiln.yaml"
+    assert main(["config", "--config_file", str(path), "--num_processes", "2", "--distributed_type", "fsdp",
+                 "--mixed_precision", "bf16", "--dynamo_backend", "aot_eager",
+                 "--dynamo_use_regional_compilation", "true"]) == 0
+    settings = load_config_file(path)
+    assert settings["distributed_type"] == "fsdp" and settings["dynamo_use_regional_compilation"] is True
+
+
+def test_config_asks_when_run_without_flags():
+    answers = iter(["2", "", "", "", "", "nonsense", "fsdp"] + [""] * 20)
+    settings = ask(lambda prompt: next(answers))
+    assert settings == {"num_processes": 2, "distributed_type": "fsdp"}  # the bad answer was asked again
+
+
+@pytest.mark.multiprocess
+def test_every_setting_reaches_every_process(tmp_path):
+    config = tmp_path / "kiln.yaml"
+    config.write_text(yaml.safe_dump({"num_processes": 2, "mixed_precision": "bf16", "dynamo_backend": "aot_eager",
+                                      "dynamo_use_regional_compilation": True, "distributed_type": "fsdp"}))
+    done = kiln("launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+                str(PROBE), "report", str(tmp_path / "seen"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    records = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
+    for rank, record in enumerate(records):
+        assert (record["rank"], record["world"], record["type"], record["precision"]) == (rank, 2, "FSDP", "bf16")
+        assert record["dynamo"] == "aot_eager"
+        assert record["env"]["KILN_DYNAMO_USE_REGIONAL_COMPILATION"] == "true"
+
+
+@pytest.mark.multiprocess
+def test_a_dead_rank_makes_the_launch_fail_in_bounded_time(tmp_path):
+    start = time.monotonic()
+    done = kiln("launch", "--num_processes", "2", "--main_process_port", str(free_port()),
+                "--process_group_timeout", "30", str(PROBE), "die", str(tmp_path / "x"), timeout=180)
+    assert done.returncode != 0
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.multiprocess
+def test_two_machines_simulated_on_one_host_train_to_the_end(tmp_path):
+    port = str(free_port())
+    worker = ROOT / "tests/distributed/train_worker.py"
+    out = tmp_path / "result.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
+    env["PYTHONPATH"] = str(ROOT)
+    machines = [subprocess.Popen(
+        [sys.executable, "-m", "kiln", "launch", "--num_machines", "2", "--machine_rank", str(rank),
+         "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", port,
+         str(worker), "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)]
+    codes = [m.wait(timeout=300) for m in machines]
+    assert codes == [0, 0], [m.stderr.read()[-3000:] for m in machines]
+    result = json.loads(out.read_text())
+    assert result["processes"] == 2 and len(result["losses"]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_demo_runs_unchanged_under_kiln_launch(tmp_path, strategy):
+    done = kiln("launch", "--num_processes", "2", "--distributed_type", strategy, "--main_process_port",
+                str(free_port()), str(ROOT / "examples/train_lm.py"), "--backend", "aot_eager", "--steps", "4",
+                "--log-every", "2", "--layers", "2", "--width", "32", "--batch", "4", "--seq", "32",
+                "--out", str(tmp_path / "weights"), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "step    4/4" in done.stdout and "GPT2Block" in done.stdout
+    assert (tmp_path / "weights/model.safetensors").is_file()
+
+
+def test_env_prints_versions():
+    done = kiln("env")
+    assert done.returncode == 0 and "torch" in done.stdout and "python" in done.stdout
+
+
+def test_launch_with_a_missing_script_is_a_clear_error(tmp_path):
+    done = kiln("launch", str(tmp_path / "nope.py"))
+    assert done.returncode == 2 and "no script at" in done.stderr
