@@ -20,8 +20,9 @@ from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
 from kiln.compile.cache import CompileCache
 from kiln.compile.monitor import KilnFallbackWarning
+from kiln.activation_checkpointing import apply_activation_checkpointing
 from kiln.compile.regions import (KilnCompileWarning, compile_full, compile_regions, compiled_regions,
-                                  find_repeated_blocks, mark_warm, uncompile)
+                                  find_repeated_blocks, mark_warm, select_blocks, uncompile)
 from kiln.compile.report import CompileReport, compile_report
 from kiln.data import PreparedDataLoader, skip_first_batches
 from kiln.optim import PreparedOptimizer, PreparedScheduler
@@ -155,13 +156,21 @@ class Accelerator(ProcessAPI):
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
-        """Device, then compile (in place), then the precision wrapper around the compiled forward."""
+        """Device, activation checkpointing, compile (in place), the precision wrapper around the
+        compiled forward, and last the strategy (DDP wrapper, FSDP2 shards)."""
         self._refuse_second_prepare(model)
         if device_placement if device_placement is not None else self.device_placement:
             model.to(self.device)
+        plugin = self.dynamo_plugin
+        regional = plugin is not None and plugin.enabled and plugin.use_regional_compilation
+        blocks = select_blocks(model, plugin.block_classes, plugin.block_paths) if regional else \
+            find_repeated_blocks(model)
+        block_paths = [path for paths in blocks.values() for path in paths]
+        # Checkpointing before compile, so each compiled block recomputes inside its own graph.
+        if self.strategy.activation_checkpointing and not evaluation_mode:
+            apply_activation_checkpointing(model, block_paths)
         # Compile before the autocast wrapper: the wrapper then calls the compiled forward, and
         # every compiled region runs inside autocast (DESIGN.md, "mixed precision must not hide").
-        plugin = self.dynamo_plugin
         if plugin is not None and plugin.enabled:
             kwargs = plugin.to_compile_kwargs()
             if plugin.use_regional_compilation:
@@ -180,10 +189,7 @@ class Accelerator(ProcessAPI):
         if evaluation_mode:
             model.eval()
         # Last, the strategy: DDP wraps, FSDP2 shards each block (the compiled ones) then the root.
-        regions = compiled_regions(model)
-        blocks = [p for r in regions if r.kind == "block" for p in r.paths] if regions else \
-            [p for paths in find_repeated_blocks(model).values() for p in paths]
-        wrapped = model if evaluation_mode else self.strategy.wrap_model(model, blocks)
+        wrapped = model if evaluation_mode else self.strategy.wrap_model(model, block_paths)
         self._models.append(wrapped)
         self._prepared.add(model)
         self._prepared.add(wrapped)

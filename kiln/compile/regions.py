@@ -63,6 +63,7 @@ class CompiledRegion:
     cache_misses: int = 0
     recompile_limit_hit: bool = False
     warned: set = field(default_factory=set, repr=False)
+    base_forward: Callable = field(repr=False, default=None)  # what was compiled
 
     @property
     def instances(self) -> int:
@@ -215,12 +216,7 @@ def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
 
 def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind: str,
                    kwargs: dict[str, Any], recompile: str) -> CompiledRegion:
-    for path, module in zip(paths, instances):
-        if "forward" in vars(module):
-            raise ValueError(
-                f"module {path or '<root>'} ({cls.__name__}) has its forward replaced on the instance; "
-                "Kiln compiles the class's forward and would drop that replacement"
-            )
+    forward = _forward_to_compile(cls, instances, paths)
     kwargs = dict(kwargs)
     backend = kwargs.pop("backend", "inductor")
     mode = kwargs.pop("mode", None)
@@ -228,14 +224,29 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
     name = _class_label(cls)
     label = _unique_label(name)
     tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
-    compiled = torch.compile(_region_entry(cls.forward, label), backend=tracked, **kwargs)
-    region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile)
+    compiled = torch.compile(_region_entry(forward, label), backend=tracked, **kwargs)
+    region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile,
+                            base_forward=forward)
     region.compiled_forward = _region_forward(region, compiled)
     MONITOR.watch(region)
     for module in instances:
         # A bound method, not a closure over the module: copy.deepcopy rebinds it to the copy.
         module.forward = types.MethodType(region.compiled_forward, module)
     return region
+
+
+def _forward_to_compile(cls: type, instances: list[nn.Module], paths: list[str]) -> Callable:
+    """The class's forward, or the one function all instances were given in its place (as Kiln's
+    activation checkpointing does); a forward replaced per instance cannot be shared, so refuse."""
+    replaced = [vars(m).get("forward") for m in instances]
+    if all(f is None for f in replaced):
+        return cls.forward
+    functions = {getattr(f, "__func__", None) for f in replaced}
+    if len(functions) == 1 and None not in functions:
+        return functions.pop()
+    path = next(p for p, f in zip(paths, replaced) if f is not None)
+    raise ValueError(f"module {path or '<root>'} ({cls.__name__}) has its forward replaced on the instance; "
+                     "Kiln compiles one forward per block class and would drop that replacement")
 
 
 def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
@@ -331,7 +342,10 @@ def uncompile(model: nn.Module) -> nn.Module:
         modules = dict(model.named_modules())
         for path in region.paths:
             module = modules[path]
-            if vars(module).get("forward") is not None and getattr(
-                    vars(module)["forward"], "__func__", None) is region.compiled_forward:
+            if getattr(vars(module).get("forward"), "__func__", None) is not region.compiled_forward:
+                continue
+            if region.base_forward is region.block_class.forward:
                 del module.forward
+            else:  # back to the shared forward it had before compile (activation checkpointing)
+                module.forward = types.MethodType(region.base_forward, module)
     return model

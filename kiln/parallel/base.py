@@ -22,6 +22,7 @@ class Strategy:
     name = "base"
     distributed_type: DistributedType | None = None  # None: the process state's own type
     sharded_checkpoints = False  # True: save_state writes each process's shard (DCP)
+    activation_checkpointing = False  # True: prepare checkpoints each repeated block first
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
         """Called by `prepare` after compile and precision: returns what the user trains."""

@@ -30,11 +30,13 @@ class FullyShardedDataParallelPlugin:
     reshard_after_forward: free each block's gathered parameters after its forward (less memory,
     one more all-gather in backward). mixed_precision: compute dtype of the sharded parameters
     ("bf16", "fp16", "no"); None follows the Accelerator's `mixed_precision`. Gradients are
-    always reduced in fp32.
+    always reduced in fp32. activation_checkpointing: recompute each block's activations in
+    backward (applied before compile, so it lives inside each compiled block).
     """
 
     reshard_after_forward: bool = True
     mixed_precision: str | None = None
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         if self.mixed_precision is not None and self.mixed_precision not in _DTYPES:
@@ -49,6 +51,7 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, plugin: FullyShardedDataParallelPlugin, mixed_precision: str) -> None:
         self.plugin = plugin
+        self.activation_checkpointing = plugin.activation_checkpointing
         self.param_dtype = _DTYPES[plugin.mixed_precision or mixed_precision]
         self._new_parameter: dict[int, nn.Parameter] = {}  # id(old parameter) -> its sharded successor
 

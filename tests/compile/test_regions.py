@@ -188,3 +188,24 @@ def test_uncompile_restores_eager_forwards():
 
 def _logits(output):
     return output if isinstance(output, torch.Tensor) else output.logits
+
+
+def test_activation_checkpointing_is_compiled_once_per_class_and_matches_eager():
+    from kiln.activation_checkpointing import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    eager = EncoderDecoder()
+    model = EncoderDecoder()
+    model.load_state_dict(eager.state_dict())
+    blocks = find_repeated_blocks(model)
+    apply_activation_checkpointing(model, [p for paths in blocks.values() for p in paths])
+    compile_regions(model, **FAST)
+    x = torch.randn(2, 3, 8)
+    model(x).sum().backward()
+    eager(x).sum().backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+    regions = compiled_regions(model)
+    assert [(r.graphs, r.calls) for r in regions] == [(1, 3), (1, 3)]
+    uncompile(model)  # back to the checkpointed, uncompiled forward
+    assert all(getattr(m.forward, "__func__", None) is not None for m in model.decoder)

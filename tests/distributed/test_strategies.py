@@ -70,10 +70,12 @@ def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, stateful):
     assert resumed["checksums"][0] == resumed["checksums"][1]
 
 
-@pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_fsdp2_regional_compile_matches_one_process(tmp_path, precision):
+@pytest.mark.parametrize("precision, checkpointing", [("no", False), ("bf16", True)])
+def test_fsdp2_regional_compile_matches_one_process(tmp_path, precision, checkpointing):
     single = run_worker(tmp_path, 1, "--precision", precision)
-    sharded = run_worker(tmp_path, 2, "--precision", precision, "--fsdp", "--save-model", str(tmp_path / "weights"))
+    extra = ["--activation-checkpointing"] if checkpointing else []
+    sharded = run_worker(tmp_path, 2, "--precision", precision, "--fsdp", "--save-model", str(tmp_path / "weights"),
+                         *extra)
     assert sharded["distributed_type"] == "FSDP"
     tolerance = 1e-5 if precision == "no" else 3e-2
     for a, b in zip(single["losses"], sharded["losses"]):

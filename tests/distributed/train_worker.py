@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--resume-from", default=None)
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--save-model", default=None)
     args = parser.parse_args()
 
@@ -59,7 +60,8 @@ def main() -> None:
     acc = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
                       gradient_accumulation_steps=args.grad_accum,
                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful),
-                      fsdp_plugin=FullyShardedDataParallelPlugin() if args.fsdp else None)
+                      fsdp_plugin=FullyShardedDataParallelPlugin(
+                          activation_checkpointing=args.activation_checkpointing) if args.fsdp else None)
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
     per_process = args.global_batch // acc.num_processes
