@@ -18,12 +18,10 @@ from torch.utils.data import DataLoader
 from kiln import collectives
 from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
-from kiln.compile.cache import CompileCache
-from kiln.compile.monitor import KilnFallbackWarning
 from kiln.activation_checkpointing import apply_activation_checkpointing
-from kiln.compile.regions import (KilnCompileWarning, compile_full, compile_regions, compiled_regions,
-                                  find_repeated_blocks, mark_warm, select_blocks, uncompile)
-from kiln.compile.report import CompileReport, compile_report
+from kiln.compile.regions import find_repeated_blocks, select_blocks, uncompile
+from kiln.compile.report import CompileReport
+from kiln.compile.session import CompileSession
 from kiln.data import PreparedDataLoader, skip_first_batches
 from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
@@ -33,6 +31,7 @@ from kiln.precision import Precision, remove_precision_wrapper
 from kiln.process_api import ProcessAPI
 from kiln.resume import load_training_state, save_training_state
 from kiln.state import DistributedType, ProcessState
+from kiln.tracking import TRACKERS, check_log_with
 
 
 class Accelerator(ProcessAPI):
@@ -54,6 +53,8 @@ class Accelerator(ProcessAPI):
         step_scheduler_with_optimizer: bool = True,
         dataloader_config: DataLoaderConfiguration | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        log_with: str | list[str] | None = None,
+        project_dir: str | os.PathLike | None = None,
     ) -> None:
         self.state = ProcessState(cpu=cpu or _env_flag("KILN_USE_CPU"))
         self.device_placement = device_placement
@@ -73,10 +74,10 @@ class Accelerator(ProcessAPI):
         self._custom_objects: list[Any] = []
         # Both what the user passed and what prepare returned, so neither is prepared twice.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
-        self._optimizer_steps = 0
-        self.compile_cache = self._open_compile_cache()
-        self._cache_keys: list[str] = []
-        self._graphs_saved = 0
+        self.log_with = check_log_with(log_with)
+        self.project_dir = str(project_dir) if project_dir is not None else None
+        self.trackers: list[Any] = []
+        self.compiler = CompileSession(self.dynamo_plugin, is_writer=self.is_main_process)
 
     @property
     def mixed_precision(self) -> str:
@@ -171,20 +172,7 @@ class Accelerator(ProcessAPI):
             apply_activation_checkpointing(model, block_paths)
         # Compile before the autocast wrapper: the wrapper then calls the compiled forward, and
         # every compiled region runs inside autocast (DESIGN.md, "mixed precision must not hide").
-        if plugin is not None and plugin.enabled:
-            kwargs = plugin.to_compile_kwargs()
-            if plugin.use_regional_compilation:
-                compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
-                                recompile=plugin.recompile, **kwargs)
-            else:
-                compile_full(model, recompile=plugin.recompile, **kwargs)
-            if self.compile_cache is not None:
-                # Before the first compiled call: the artifacts of an earlier run fill the caches.
-                settings = {**kwargs, "precision": self.precision.mode,
-                            "regional": plugin.use_regional_compilation, "strategy": self.strategy.name}
-                key = self.compile_cache.key(model, settings, self.device)
-                self.compile_cache.load(key)
-                self._cache_keys.append(key)
+        self.compiler.compile(model, self.device, {"precision": self.precision.mode, "strategy": self.strategy.name})
         self.precision.wrap_forward(model)
         if evaluation_mode:
             model.eval()
@@ -203,7 +191,8 @@ class Accelerator(ProcessAPI):
             # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).
             optimizer.load_state_dict(optimizer.state_dict())
         self.strategy.prepare_optimizer(optimizer)
-        prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler, on_step=self._after_optimizer_step)
+        prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler,
+                                     on_step=self.compiler.after_optimizer_step)
         self._optimizers.append(prepared)
         self._prepared.add(optimizer)
         self._prepared.add(prepared)
@@ -213,7 +202,7 @@ class Accelerator(ProcessAPI):
                             device_placement: bool | None = None) -> PreparedDataLoader:
         self._refuse_second_prepare(dataloader)
         place = device_placement if device_placement is not None else self.device_placement
-        self._warn_short_last_batch(dataloader)
+        self.compiler.check_dataloader(dataloader)
         prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state,
                                       self.num_processes, self.process_index, self.data_seed,
                                       stateful=self.dataloader_config.use_stateful_dataloader)
@@ -238,24 +227,6 @@ class Accelerator(ProcessAPI):
         self._prepared.add(scheduler)
         self._prepared.add(prepared)
         return prepared
-
-    def _warn_short_last_batch(self, dataloader: DataLoader) -> None:
-        plugin = self.dynamo_plugin
-        if plugin is None or not plugin.enabled or plugin.dynamic is True:
-            return
-        batch_size = dataloader.batch_size
-        try:
-            samples = len(dataloader.dataset)
-        except TypeError:  # an iterable dataset: its length is unknown
-            return
-        if batch_size and not dataloader.drop_last and samples % batch_size:
-            warnings.warn(
-                f"this dataloader's last batch holds {samples % batch_size} samples instead of {batch_size}; "
-                f"under a static-shape compile (dynamic={plugin.dynamic}) that batch compiles new graphs "
-                "once per epoch. Pass drop_last=True to the DataLoader, or pad the dataset.",
-                KilnCompileWarning,
-                stacklevel=4,
-            )
 
     def _refuse_second_prepare(self, obj: Any) -> None:
         try:
@@ -356,17 +327,18 @@ class Accelerator(ProcessAPI):
         """Objects with `state_dict`/`load_state_dict` that save_state and load_state carry too."""
         for obj in objects:
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"{type(obj).__name__} cannot be checkpointed: it needs state_dict() and load_state_dict()")
+                raise TypeError(f"{type(obj).__name__} cannot be checkpointed: "
+                                "it needs state_dict() and load_state_dict()")
         self._custom_objects.extend(objects)
 
     def save_state(self, output_dir: str | os.PathLike) -> str:
         """Write models, optimizers, schedulers, scaler, RNG states, dataloader positions and
         registered objects; the folder appears only once complete. Returns its path."""
         target = save_training_state(
-            output_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers, schedulers=self._schedulers, dataloaders=self._dataloaders,
-            custom=self._custom_objects, scaler=self.scaler, process_index=self.process_index,
-            num_processes=self.num_processes, is_main_process=self.is_main_process,
-            barrier=self.wait_for_everyone)
+            output_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
+            schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
+            scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
+            is_main_process=self.is_main_process, barrier=self.wait_for_everyone)
         return str(target)
 
     def load_state(self, input_dir: str | os.PathLike) -> None:
@@ -391,54 +363,54 @@ class Accelerator(ProcessAPI):
 
         >>> print(accelerator.compile_report().table())   # or .as_dict() for a logger
         """
-        stats = self.compile_cache.stats.as_dict() if self.compile_cache is not None else None
-        return compile_report(*(self.unwrap_model(m) for m in self._models), artifact_cache=stats)
+        return self.compiler.report()
+
+    # ----- trackers ------------------------------------------------------------------------
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, Any] | None = None) -> None:
+        """Start the trackers named by `log_with` (main process only), under `project_dir`."""
+        if init_kwargs:
+            raise ValueError(f"init_kwargs {sorted(init_kwargs)} are not used by Kiln's trackers (jsonl, tensorboard)")
+        if self.log_with and self.project_dir is None:
+            raise ValueError("log_with needs project_dir=, the folder the trackers write into")
+        if self.is_main_process:
+            self.trackers = [TRACKERS[name](project_name, self.project_dir, config) for name in self.log_with]
+
+    def log(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Send `values` to every tracker, from the main process (no-op without trackers)."""
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
+
+    def get_tracker(self, name: str) -> Any:
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker
+        raise ValueError(f"no tracker {name!r} was started; started: {[t.name for t in self.trackers]}")
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Drop Kiln's references to prepared objects and release cached device memory."""
+        import gc
+
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self.compiler.models.clear()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return [None] * len(objects)
 
     def end_training(self) -> None:
-        """The end of a run: prints the compile report on the main process."""
-        self._save_compile_cache()
-        if any(compiled_regions(self.unwrap_model(model)) for model in self._models):
-            self.print(self.compile_report().table())
+        """The end of a run: finishes the trackers and prints the compile report on the main process."""
+        for tracker in self.trackers:
+            tracker.finish()
+        self.trackers = []
+        self.compiler.save_cache()
+        report = self.compiler.report()
+        if report.regions:
+            self.print(report.table())
         self.wait_for_everyone()
-
-    def _open_compile_cache(self) -> CompileCache | None:
-        """The warm-start cache, pointed at before anything compiles (Inductor reads its folder then)."""
-        plugin = self.dynamo_plugin
-        if plugin is None or not plugin.enabled:
-            return None
-        cache = CompileCache(plugin.cache_dir, plugin.cache, is_writer=self.is_main_process)
-        cache.activate()
-        return cache if cache.enabled else None
-
-    def _save_compile_cache(self) -> None:
-        """Save what was compiled since the last save (the main process writes, all read)."""
-        if self.compile_cache is None:
-            return
-        graphs = self.compile_report().graphs
-        if graphs > self._graphs_saved:
-            for key in self._cache_keys:
-                self.compile_cache.save(key)
-            self._graphs_saved = graphs
-
-    def _after_optimizer_step(self) -> None:
-        """After the warm-up steps: recompiles meet the policy, and silent regions are called out."""
-        self._optimizer_steps += 1
-        plugin = self.dynamo_plugin
-        if plugin is None or self._optimizer_steps != max(1, plugin.warmup_steps):
-            return
-        for model in self._models:
-            mark_warm(self.unwrap_model(model))
-        self._save_compile_cache()  # forward and backward are compiled by now
-        for region in self.compile_report().regions:
-            if region.silent:
-                how = (f"its {region.invocations} call(s) all ran eagerly" if region.invocations
-                       else "it was never called (is the prepared model the one being run?)")
-                warnings.warn(
-                    f"compiled region {region.name} ran NO compiled code in the first "
-                    f"{self._optimizer_steps} step(s): {how}. The step runs uncompiled.",
-                    KilnFallbackWarning,
-                    stacklevel=4,
-                )
 
 
 def _choose_dynamo_plugin(plugin: TorchDynamoPlugin | None, backend: str | None) -> TorchDynamoPlugin | None:

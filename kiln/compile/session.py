@@ -1,0 +1,114 @@
+"""One Accelerator's compilation: which models it compiled and how, the warm-start cache, the
+warm-up steps after which recompiles meet the policy, and the compile report.
+
+Depends on the rest of kiln.compile and kiln.plugins only; never on the facade or a strategy
+(the facade hands in what it knows: device, precision, strategy name, process role).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from kiln.compile.cache import CompileCache
+from kiln.compile.monitor import KilnFallbackWarning
+from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, mark_warm
+from kiln.compile.report import CompileReport, compile_report
+from kiln.plugins import TorchDynamoPlugin
+
+
+class CompileSession:
+    """Applies a `TorchDynamoPlugin` to the models of one Accelerator, and follows them."""
+
+    def __init__(self, plugin: TorchDynamoPlugin | None, is_writer: bool) -> None:
+        self.plugin = plugin if plugin is not None and plugin.enabled else None
+        self.cache = None
+        if self.plugin is not None:
+            # Pointed at before anything compiles: Inductor reads its folder then.
+            cache = CompileCache(self.plugin.cache_dir, self.plugin.cache, is_writer=is_writer)
+            cache.activate()
+            self.cache = cache if cache.enabled else None
+        self.models: list[nn.Module] = []  # the user's modules, unwrapped
+        self._cache_keys: list[str] = []
+        self._graphs_saved = 0
+        self._steps = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.plugin is not None
+
+    def compile(self, model: nn.Module, device: torch.device, context: dict[str, Any]) -> None:
+        """Compile `model` in place as the plugin says, and fill the caches from an earlier run.
+        `context` (precision, strategy) joins the compile settings in the cache key."""
+        self.models.append(model)
+        if self.plugin is None:
+            return
+        plugin = self.plugin
+        kwargs = plugin.to_compile_kwargs()
+        if plugin.use_regional_compilation:
+            compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
+                            recompile=plugin.recompile, **kwargs)
+        else:
+            compile_full(model, recompile=plugin.recompile, **kwargs)
+        if self.cache is not None:
+            settings = {**kwargs, **context, "regional": plugin.use_regional_compilation}
+            key = self.cache.key(model, settings, device)
+            self.cache.load(key)  # before the first compiled call
+            self._cache_keys.append(key)
+
+    def check_dataloader(self, dataloader: DataLoader) -> None:
+        """Warn when a short last batch would compile new graphs every epoch."""
+        plugin = self.plugin
+        if plugin is None or plugin.dynamic is True:
+            return
+        batch_size = dataloader.batch_size
+        try:
+            samples = len(dataloader.dataset)
+        except TypeError:  # an iterable dataset: its length is unknown
+            return
+        if batch_size and not dataloader.drop_last and samples % batch_size:
+            warnings.warn(
+                f"this dataloader's last batch holds {samples % batch_size} samples instead of {batch_size}; "
+                f"under a static-shape compile (dynamic={plugin.dynamic}) that batch compiles new graphs "
+                "once per epoch. Pass drop_last=True to the DataLoader, or pad the dataset.",
+                KilnCompileWarning,
+                stacklevel=5,
+            )
+
+    def report(self) -> CompileReport:
+        stats = self.cache.stats.as_dict() if self.cache is not None else None
+        return compile_report(*self.models, artifact_cache=stats)
+
+    def after_optimizer_step(self) -> None:
+        """At the end of warm-up: recompiles meet the policy, silent regions are called out, and
+        what was compiled (forward and backward by now) is saved for the next run."""
+        self._steps += 1
+        if self.plugin is None or self._steps != max(1, self.plugin.warmup_steps):
+            return
+        for model in self.models:
+            mark_warm(model)
+        self.save_cache()
+        for region in self.report().regions:
+            if region.silent:
+                how = (f"its {region.invocations} call(s) all ran eagerly" if region.invocations
+                       else "it was never called (is the prepared model the one being run?)")
+                warnings.warn(
+                    f"compiled region {region.name} ran NO compiled code in the first {self._steps} "
+                    f"step(s): {how}. The step runs uncompiled.",
+                    KilnFallbackWarning,
+                    stacklevel=5,
+                )
+
+    def save_cache(self) -> None:
+        """Save what was compiled since the last save (the main process writes, all read)."""
+        if self.cache is None:
+            return
+        graphs = self.report().graphs
+        if graphs > self._graphs_saved:
+            for key in self._cache_keys:
+                self.cache.save(key)
+            self._graphs_saved = graphs
