@@ -13,9 +13,9 @@ import argparse
 import sys
 from typing import Sequence
 
-from kiln.cli import cache, config, env, launch
+from kiln.cli import bench, cache, config, env, launch
 
-SUBCOMMANDS = (launch, config, env, cache)
+SUBCOMMANDS = (launch, config, env, cache, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

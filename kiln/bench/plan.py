@@ -1,0 +1,177 @@
+"""What the compile benchmark measures: model sizes, methods, and the named plans that combine them.
+
+Depends on the standard library only (the parent process plans rows without importing torch).
+
+A plan is a list of groups; each group is a cross product of models x workloads x batch sizes x
+methods (x compile modes), so a plan can be small where a full cross product would not fit the time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterable
+
+# Llama-style configs with random weights (nothing is downloaded). tiny/1b/8b are the sizes of
+# ../shared/tools/anchor_compile.py, so GPU numbers stay comparable with DESIGN.md's table;
+# 3b is Llama 3.2 3B's shape; small/medium are CPU sizes whose compiles fit minutes on 2 cores.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "medium": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=12,
+                   num_attention_heads=8, num_key_value_heads=4, vocab_size=2048),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8, vocab_size=128256),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
+}
+
+# DESIGN.md's H200 table: 256 tokens for inference, 512 for a training step.
+GPU_SEQ = {"infer": 256, "train": 512}
+
+KILN_METHODS = ("eager", "full", "regional")
+ACCELERATE_METHODS = ("accelerate-full", "accelerate-regional")
+METHODS = KILN_METHODS + ACCELERATE_METHODS
+WORKLOADS = ("infer", "train")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement: one fresh process, one model, one method, one batch shape."""
+
+    model: str
+    workload: str
+    batch: int
+    seq: int
+    method: str
+    mode: str = "default"
+    backend: str = "inductor"
+    device: str = "cpu"
+    dtype: str = "float32"
+    steps: int = 10
+    warmup: int = 3
+    seed: int = 0
+    threads: int | None = None
+
+    @property
+    def label(self) -> str:
+        """How progress lines and tables name the row: 'regional train b4', plus a non-default mode."""
+        mode = "" if self.mode == "default" else f" [{self.mode}]"
+        return f"{self.method}{mode} {self.model} {self.workload} b{self.batch}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Group:
+    """A cross product of rows; a plan is a list of these, measured in order."""
+
+    models: list[str]
+    workloads: list[str]
+    batches: list[int]
+    methods: list[str]
+    modes: list[str] = field(default_factory=lambda: ["default"])
+    seq: dict[str, int] = field(default_factory=lambda: {"infer": 64, "train": 64})
+    # Steady steps are cheap next to a compile; the median of 30 damps a shared CPU's noise.
+    steps: int = 30
+
+    def rows(self, **common: Any) -> list[Row]:
+        return [Row(model=m, workload=w, batch=b, seq=self.seq[w], method=method, mode=mode,
+                    steps=self.steps, **common)
+                for m in self.models for w in self.workloads for b in self.batches
+                for method in self.methods for mode in self.modes
+                if not (method == "eager" and mode != "default")]
+
+
+# The default CPU plan fits 10 minutes on a 2-core machine (about 7.5): Inductor's cold compile
+# costs 10-35 s a row there (mostly gcc), so batch 1 and 16 are measured for inference only, a
+# training step and Accelerate at batch 4, where the targets are checked, and a 12-layer model
+# for inference at batch 4, to show how compile time grows with depth.
+PLANS: dict[str, list[Group]] = {
+    "cpu": [
+        Group(["small"], ["infer"], [1, 4, 16], ["eager", "full", "regional"]),
+        Group(["small"], ["infer"], [4], ["accelerate-full", "accelerate-regional"]),
+        Group(["small"], ["train"], [4], ["eager", "full", "regional", "accelerate-regional"]),
+        Group(["medium"], ["infer"], [4], ["eager", "full", "regional", "accelerate-regional"]),
+    ],
+    # Every method on every workload and batch size: about 30 rows, 15-20 minutes on 2 cores.
+    "cpu-full": [
+        Group(["small"], ["infer", "train"], [1, 4, 16], list(METHODS)),
+    ],
+    # Logic checks in seconds with backend aot_eager; the GPU script's --device cpu path uses it.
+    "tiny": [
+        Group(["tiny"], ["infer", "train"], [2], list(METHODS), seq={"infer": 32, "train": 32}, steps=3),
+    ],
+    # One H200 in about 8 minutes (benchmarks/gpu_bench.sh gives it a 420 s budget). Ordered by what
+    # the targets need, so the budget cuts the least needed rows: 1B inference and training at
+    # batch 4 with Accelerate beside Kiln, the CUDA-graphs batch-1 rows, 8B inference, then the rest.
+    # Estimated from DESIGN.md's H200 rows (10-15 s of process start each): about 450 s in all,
+    # so the last groups may be cut.
+    "gpu": [
+        Group(["1b"], ["infer"], [4], ["eager", "full", "regional", "accelerate-regional"], seq=GPU_SEQ, steps=20),
+        Group(["1b"], ["train"], [4], ["eager", "full", "regional", "accelerate-regional"], seq=GPU_SEQ, steps=10),
+        Group(["1b"], ["infer"], [1], ["eager", "full", "regional"], modes=["default", "reduce-overhead"],
+              seq=GPU_SEQ, steps=20),
+        Group(["8b"], ["infer"], [16], ["eager", "full", "regional"], seq=GPU_SEQ, steps=10),
+        Group(["1b"], ["infer"], [16], ["full", "regional"], seq=GPU_SEQ, steps=20),
+        Group(["3b"], ["train"], [4], ["full", "regional"], seq=GPU_SEQ, steps=10),
+        Group(["1b"], ["infer"], [4], ["accelerate-full"], seq=GPU_SEQ, steps=20),
+    ],
+}
+
+
+def build_rows(
+    plan: str,
+    *,
+    device: str,
+    backend: str = "inductor",
+    models: Iterable[str] | None = None,
+    workloads: Iterable[str] | None = None,
+    batches: Iterable[int] | None = None,
+    methods: Iterable[str] | None = None,
+    modes: Iterable[str] | None = None,
+    seq: int | None = None,
+    steps: int | None = None,
+    threads: int | None = None,
+    with_accelerate: bool = True,
+) -> list[Row]:
+    """The rows of `plan`, with any list given here replacing that list in every group.
+
+    Accelerate's methods are dropped when `with_accelerate` is False (the package is not installed).
+    Duplicates (two groups naming the same row) are measured once.
+    """
+    if plan not in PLANS:
+        raise ValueError(f"unknown plan {plan!r}; choose one of: {', '.join(PLANS)}")
+    dtype = "bfloat16" if device == "cuda" else "float32"  # bf16 as DESIGN.md's H200 table; CPU bf16 is slow
+    rows: list[Row] = []
+    for group in PLANS[plan]:
+        group = replace(
+            group,
+            models=list(models or group.models),
+            workloads=list(workloads or group.workloads),
+            batches=list(batches or group.batches),
+            methods=list(methods or group.methods),
+            modes=list(modes or group.modes),
+            seq={w: seq for w in WORKLOADS} if seq else group.seq,
+            steps=steps or group.steps,
+        )
+        for row in group.rows(backend=backend, device=device, dtype=dtype, threads=threads):
+            if row.method in ACCELERATE_METHODS and not with_accelerate:
+                continue
+            if row not in rows:
+                rows.append(row)
+    return rows
+
+
+def check_choices(values: Iterable[str], choices: Iterable[str], what: str) -> list[str]:
+    """`values` unchanged when each is one of `choices`, else a ValueError naming the bad ones."""
+    values, choices = list(values), list(choices)
+    unknown = [v for v in values if v not in choices]
+    if unknown:
+        raise ValueError(f"unknown {what} {', '.join(map(repr, unknown))}; choose from: {', '.join(choices)}")
+    return values

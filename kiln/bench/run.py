@@ -1,0 +1,121 @@
+"""The benchmark's parent process: one fresh interpreter per row, an empty compiler cache for each.
+
+Depends on the standard library and kiln.bench.plan; never imports torch (the children do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from kiln.bench.plan import Row
+
+RESULT_PREFIX = "KILN_BENCH_RESULT "
+# Below this many seconds of budget a row is not started: process start alone takes 5-15 s.
+MIN_ROW_S = 20.0
+KILN_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the kiln package
+
+
+def run_rows(
+    rows: list[Row],
+    *,
+    row_timeout_s: float = 1800,
+    budget_s: float | None = None,
+    on_row: Callable[[int, Row, dict[str, Any]], None] | None = None,
+    on_start: Callable[[int, Row], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Measure each row in order; rows past `budget_s` are returned as skipped, not run."""
+    results = []
+    begin = time.perf_counter()
+    for index, row in enumerate(rows):
+        left = None if budget_s is None else budget_s - (time.perf_counter() - begin)
+        if left is not None and left < MIN_ROW_S:
+            result = dict(row.as_dict(), skipped=f"budget of {budget_s:.0f} s spent")
+        else:
+            if on_start:
+                on_start(index, row)
+            result = run_row(row, timeout_s=row_timeout_s if left is None else min(row_timeout_s, left))
+        results.append(result)
+        if on_row:
+            on_row(index, row, result)
+    return results
+
+
+def run_row(row: Row, timeout_s: float = 1800) -> dict[str, Any]:
+    """Measure one row in a fresh interpreter with empty Inductor and Triton caches, deleted after."""
+    busy = busy_cores() if row.device == "cpu" else None
+    cache = Path(tempfile.mkdtemp(prefix="kiln_bench_cache_"))
+    env = dict(os.environ)
+    env.update(
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
+        # The child measures the kiln this process runs, installed or not.
+        PYTHONPATH=os.pathsep.join(p for p in (str(KILN_ROOT), env.get("PYTHONPATH")) if p),
+    )
+    command = [sys.executable, "-m", "kiln.bench.measure", json.dumps(row.as_dict())]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
+        result = parse_result(proc.stdout) or dict(row.as_dict(), error=f"no result line (exit {proc.returncode})")
+        if proc.returncode != 0:
+            result.setdefault("error", f"child exited with {proc.returncode}")
+            result["stderr_tail"] = proc.stderr[-3000:]
+    except subprocess.TimeoutExpired:
+        result = dict(row.as_dict(), error=f"timed out after {timeout_s:.0f} s")
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    result["process_s"] = round(time.perf_counter() - start, 1)
+    result["busy_cores_before"] = busy
+    return result
+
+
+def parse_result(stdout: str) -> dict[str, Any] | None:
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    try:
+        return json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else None
+    except json.JSONDecodeError:
+        return None
+
+
+def busy_cores(seconds: float = 0.5) -> float | None:
+    """Cores kept busy by other processes over a short sample (Linux; None elsewhere).
+
+    Why: with torch's one OpenMP thread per core, one core busy elsewhere made a 2-thread matmul
+    about 60x slower on a 2-core machine (torch 2.13); no median hides that.
+    """
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(seconds)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = 1 - (idle1 - idle0) / max(1, total1 - total0)
+    return round(busy * (os.cpu_count() or 1), 2)
+
+
+def progress_head(index: int, total: int, row: Row, note: str = "") -> str:
+    """'[3/18] regional small train b4 ...', printed before the row runs."""
+    return f"[{index + 1}/{total}] {row.label}{note} ..."
+
+
+def progress_tail(result: dict[str, Any]) -> str:
+    """'21.3 s  compile 18.2 s, steady 30.41 ms, peak 465 MiB', printed when the row is done."""
+    if "skipped" in result:
+        return f"skipped ({result['skipped']})"
+    head = f"{result['process_s']:.1f} s"
+    if "error" in result:
+        return f"{head}  ERROR: {result['error'][:300]}"
+    busy = result.get("busy_cores_before") or 0
+    note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
+    return (f"{head}  compile {result['compile_s']:.1f} s, steady {result['steady_ms']:.2f} ms, "
+            f"peak {result['peak_mib']:.0f} MiB{note}")

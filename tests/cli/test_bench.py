@@ -1,0 +1,161 @@
+"""Tests for `kiln bench` (kiln/cli/bench.py) and the benchmark package behind it (kiln/bench/).
+
+The end-to-end tests run real child processes with backend aot_eager on the tiny model (a few
+seconds a row); the rest check planning, the target ratios and the report on made-up rows.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kiln.bench.plan import PLANS, Row, build_rows
+from kiln.bench.report import combine_repeats, results_table, target_checks, write_results
+from kiln.bench.run import run_rows
+from kiln.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+TINY = ["--device", "cpu", "--plan", "tiny", "--backend", "aot_eager", "--steps", "2", "--no-plots"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_bench_measures_eager_and_regional_and_writes_json_lines_and_table(tmp_path, capsys):
+    status = main(["bench", *TINY, "--methods", "eager,regional", "--workloads", "infer", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "[1/2] eager tiny infer b2 ..." in out and "[2/2] regional tiny infer b2 ..." in out
+    rows = read_jsonl(tmp_path / "kiln_bench_tiny.jsonl")
+    assert [r["method"] for r in rows] == ["eager", "regional"]
+    regional = rows[1]
+    assert "error" not in regional
+    assert regional["kiln_compiled_calls"] > 0 and regional["compiled_frames_per_step"] == 4  # 4 layers
+    assert regional["kiln_regions"] == ["LlamaDecoderLayer"] and regional["kiln_instances"] == 4
+    assert regional["compile_s"] > 0 and regional["steady_ms"] > 0 and regional["peak_mib"] > 0
+    assert rows[0]["compiled_frames_per_step"] == 0
+    table = (tmp_path / "kiln_bench_tiny.md").read_text()
+    assert "| model | workload | batch x seq | method | compile s |" in table
+    assert "| tiny | infer | 2 x 32 | eager |" in table and "| 1.00x |" in table
+    assert out.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table (and targets) print last
+
+
+@pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is not installed")
+def test_bench_runs_accelerate_regional_compile_through_its_accelerator(tmp_path, capsys):
+    status = main(["bench", *TINY, "--methods", "accelerate-regional", "--workloads", "train",
+                   "--out", str(tmp_path)])
+    assert status == 0, capsys.readouterr().out
+    (row,) = read_jsonl(tmp_path / "kiln_bench_tiny.jsonl")
+    assert row["accelerate"] and "error" not in row
+    # Accelerate compiles each layer plus every other leaf (embedding, norm, rotary, head): 8 frames.
+    assert row["compiled_frames_per_step"] >= 4 and row["dynamo_graphs"] >= 1
+
+
+def test_gpu_script_runs_the_tiny_plan_on_cpu_and_writes_under_out(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_bench.sh"), *TINY, "--methods", "full", "--workloads", "infer"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = read_jsonl(tmp_path / "kiln_bench_tiny.jsonl")
+    assert row["method"] == "full" and row["kiln_compiled_calls"] > 0 and row["device"] == "cpu"
+    assert (tmp_path / "kiln_bench_tiny.md").is_file() and (tmp_path / "kiln_bench_env.txt").is_file()
+
+
+def test_bench_list_prints_the_default_cpu_plan_without_measuring(capsys):
+    assert main(["bench", "--device", "cpu", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("[")]
+    assert len(rows) == len(build_rows("cpu", device="cpu", with_accelerate=HAVE_ACCELERATE))
+    assert rows[0].startswith("[1/") and "eager small infer b1" in rows[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--methods", "regionl"], "unknown method 'regionl'; choose from: eager, full, regional"),
+    (["--models", "70b"], "unknown model '70b'"),
+    (["--backend", "indutor"], "unknown backend 'indutor'"),
+    (["--steps", "0"], "--steps must be at least 1"),
+])
+def test_bench_rejects_bad_names_with_the_choices(flags, message, capsys):
+    assert main(["bench", "--device", "cpu", "--list", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plans_expand_to_rows_and_flags_replace_lists_in_every_group():
+    rows = build_rows("gpu", device="cuda")
+    assert rows[0] == Row(model="1b", workload="infer", batch=4, seq=256, method="eager", device="cuda",
+                          dtype="bfloat16", steps=20)
+    assert any(r.mode == "reduce-overhead" and r.batch == 1 for r in rows)
+    assert not any(r.method == "eager" and r.mode != "default" for r in rows)
+    assert {r.model for r in rows} == {"1b", "3b", "8b"}
+    only = build_rows("cpu", device="cpu", batches=[4], methods=["full", "regional"], with_accelerate=False)
+    assert {(r.method, r.batch) for r in only} == {("full", 4), ("regional", 4)}
+    assert len(only) == len(set(only)) == 6  # small infer and train, medium infer; duplicates dropped
+    assert not any(r.method.startswith("accelerate") for r in build_rows("tiny", device="cpu", with_accelerate=False))
+    with pytest.raises(ValueError, match="unknown plan 'gpu9'; choose one of: cpu"):
+        build_rows("gpu9", device="cpu")
+    assert set(PLANS) >= {"cpu", "tiny", "gpu"}
+
+
+def test_rows_past_the_budget_are_skipped_not_run():
+    rows = build_rows("tiny", device="cpu", methods=["eager"])
+    results = run_rows(rows, budget_s=0)
+    assert all(r["skipped"].startswith("budget of 0 s") for r in results)
+
+
+def fake_row(method, compile_s, steady_ms, peak, batch=4, workload="train", mode="default"):
+    return dict(model="small", workload=workload, batch=batch, seq=64, method=method, mode=mode,
+                compile_s=compile_s, steady_ms=steady_ms, peak_mib=peak, steady_peak_mib=peak - 10,
+                compiled_frames_per_step=0 if method == "eager" else 4)
+
+
+def test_target_checks_compare_rows_of_the_same_case_and_say_met_or_missed():
+    rows = [fake_row("eager", 0.0, 40.0, 380), fake_row("full", 40.0, 30.0, 500),
+            fake_row("regional", 20.0, 30.3, 520), fake_row("accelerate-regional", 50.0, 31.0, 510),
+            fake_row("regional", 10.0, 9.0, 450, batch=1), fake_row("full", 30.0, 6.0, 460, batch=1)]
+    checks = {(c["target"].split()[1], c["batch"]): c for c in target_checks(rows)}
+    assert checks[("compile", 4)]["ratio"] == 0.4 and checks[("compile", 4)]["verdict"] == "met"
+    assert checks[("steady", 4)]["verdict"] == "met"  # 30.3 / 30.0 = 1.01
+    assert checks[("peak", 4)]["ratio"] == 1.04 and checks[("peak", 4)]["verdict"] == "met"
+    assert ("steady", 1) not in checks  # the step target starts at batch 4
+    rows[2]["steady_ms"] = 33.0
+    assert {c["verdict"] for c in target_checks(rows) if "steady" in c["target"]} == {"missed"}
+
+
+def test_results_table_shows_speedup_errors_and_skipped_rows():
+    rows = [fake_row("eager", 0.0, 40.0, 380), fake_row("regional", 20.0, 20.0, 400),
+            dict(fake_row("full", 0, 0, 0), error="TimeoutExpired: child\nmore"),
+            dict(model="small", workload="train", batch=16, seq=64, method="full", skipped="budget spent")]
+    table = results_table(rows)
+    assert "| small | train | 4 x 64 | regional | 20.0 | 20.00 | 2.00x | 400 | 390 | 4 |" in table
+    assert "| full | error: TimeoutExpired: child |" in table and "more" not in table
+    assert "| small | train | 16 x 64 | full | budget spent |" in table
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_write_results_draws_compile_and_speedup_plots(tmp_path):
+    rows = [fake_row("eager", 0.0, 40.0, 380), fake_row("full", 40.0, 30.0, 500),
+            fake_row("regional", 20.0, 30.3, 520), fake_row("regional", 9.0, 12.0, 450, batch=1, mode="reduce-overhead"),
+            fake_row("eager", 0.0, 14.0, 440, batch=1)]
+    text, files = write_results(rows, tmp_path, "demo")
+    names = sorted(f.name for f in files)
+    assert names == ["demo.jsonl", "demo.md", "demo_compile.png", "demo_speedup.png", "demo_targets.json"]
+    assert (tmp_path / "demo_speedup.png").read_bytes()[:4] == b"\x89PNG"
+    assert "regional [reduce-overhead]" in text
+
+
+def test_repeated_runs_combine_to_their_median_and_keep_the_spread():
+    runs = [fake_row("regional", c, s, 400) for c, s in ((20.0, 30.0), (22.0, 25.0), (21.0, 40.0))]
+    runs.append(dict(fake_row("full", 0, 0, 0), error="boom"))
+    (regional, full) = combine_repeats(runs)
+    assert regional["runs"] == 3 and regional["steady_ms"] == 30.0 and regional["compile_s"] == 21.0
+    assert regional["steady_ms_runs"] == [30.0, 25.0, 40.0]
+    assert "3: 25.00-40.00, 20.0-22.0 |" in results_table([regional, full])
+    assert full["error"] == "boom"
