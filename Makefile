@@ -25,7 +25,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not inductor"
 
 bench: $(STAMP)
-	$(PY) benchmarks/compile_bench.py
+	$(VENV)/bin/kiln bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
