@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from compile_bench import busy_cores, cpu_name  # noqa: E402  (same folder, same conventions)
+from compile_bench import busy_cores, check_backend, cpu_name, run_child  # noqa: E402  (same folder, same conventions)
 
 ROWS = {  # name: (dynamic, buckets)
     "a": (False, False),
@@ -224,16 +224,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def child_main(spec_json: str) -> int:
     """Run one row; print it as the last stdout line; non-zero exit on any error."""
-    spec = json.loads(spec_json)
-    try:
-        row = measure(spec)
-    except Exception as exc:  # the parent still gets a row, with the reason
-        import traceback
-
-        traceback.print_exc()
-        row = {"row": spec["row"], "config": spec["config"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
-    print(json.dumps(row), flush=True)
-    return 1 if "error" in row else 0
+    return run_child(spec_json, measure, ("row",))
 
 
 # ---------------------------------------------------------------- parent: one subprocess per row
@@ -315,9 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args.child)
     import torch  # the parent only checks the backend and asks which device the children will find
 
-    if args.backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise SystemExit(f"--backend {args.backend!r} is unknown; choose one of: "
-                         f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
+    check_backend(args.backend)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = {
         "examples": args.examples, "min_len": args.min_len, "max_len": args.max_len, "batch": args.batch,

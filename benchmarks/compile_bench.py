@@ -184,19 +184,33 @@ def peak_memory(device: str) -> tuple[float, str, str]:
     return rss / 2**(20 if sys.platform == "darwin" else 10), "ru_maxrss", cpu_name()
 
 
-def child_main(spec_json: str) -> int:
-    """Run one measurement; print its row as the last stdout line; non-zero exit on any error."""
+def run_child(spec_json: str, measure_row: Any, identity: tuple[str, ...]) -> int:
+    """Run one measurement; print its row as the last stdout line; non-zero exit on any error.
+    Shared by the benchmarks beside this one; `identity` names the spec keys that label a row."""
     spec = json.loads(spec_json)
     try:
-        row = measure(spec)
+        row = measure_row(spec)
     except Exception as exc:  # the parent still gets a row, with the reason
         import traceback
 
         traceback.print_exc()
-        row = {"method": spec["method"], "workload": spec["workload"], "config": spec["config"],
+        row = {**{key: spec[key] for key in identity}, "config": spec["config"],
                "error": f"{type(exc).__name__}: {exc}"[:2000]}
     print(json.dumps(row), flush=True)
     return 1 if "error" in row else 0
+
+
+def child_main(spec_json: str) -> int:
+    return run_child(spec_json, measure, ("method", "workload"))
+
+
+def check_backend(backend: str) -> None:
+    """Exit with the list of choices when torch does not know `backend`."""
+    import torch
+
+    choices = torch._dynamo.list_backends(exclude_tags=())
+    if backend not in choices:
+        raise SystemExit(f"--backend {backend!r} is unknown; choose one of: {', '.join(choices)}")
 
 
 def busy_cores(seconds: float = 0.5) -> float | None:
@@ -328,9 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args.child)
     import torch  # the parent only asks which device the children will find
 
-    if args.backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise SystemExit(f"--backend {args.backend!r} is unknown; choose one of: "
-                         f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
+    check_backend(args.backend)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = {
         "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,

@@ -38,7 +38,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from compile_bench import _last_json_line, build_model, busy_cores, peak_memory  # noqa: E402
+from compile_bench import (_last_json_line, build_model, busy_cores, check_backend,  # noqa: E402
+                           peak_memory, run_child)
 
 ROWS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm")
 CHILD_TIMEOUT_S = 1800
@@ -147,16 +148,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_main(spec_json: str) -> int:
-    spec = json.loads(spec_json)
-    try:
-        row = measure(spec)
-    except Exception as exc:  # the parent still gets a row, with the reason
-        import traceback
-
-        traceback.print_exc()
-        row = {"row": spec["row"], "config": spec["config"], "error": f"{type(exc).__name__}: {exc}"[:2000]}
-    print(json.dumps(row), flush=True)
-    return 1 if "error" in row else 0
+    """Run one row; print it as the last stdout line; non-zero exit on any error."""
+    return run_child(spec_json, measure, ("row",))
 
 
 # ---------------------------------------------------------------- parent: one subprocess per row
@@ -320,9 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args.child)
     import torch
 
-    if args.backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise SystemExit(f"--backend {args.backend!r} is unknown; choose one of: "
-                         f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
+    check_backend(args.backend)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = {
         "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
