@@ -85,6 +85,49 @@ class ShardedBatchSampler:
             sampler.set_epoch(epoch)
 
 
+class ShardedIterable(IterableDataset):
+    """A stream dealt to the processes the way ShardedBatchSampler deals batches: every process
+    reads the whole stream, and of each round of W x B items process r keeps items r*B..(r+1)*B-1,
+    so its batches are batches r, r+W, ... of the single-process order.
+
+    A last partial round is dropped with `drop_last`, else filled with items from the start of
+    the stream (`padded_samples` counts them). Items are samples, or whole batches when the
+    loader does not batch (B = 1 then).
+    """
+
+    def __init__(self, dataset: IterableDataset, per_process: int, num_processes: int, process_index: int,
+                 drop_last: bool) -> None:
+        self.dataset = dataset
+        self.per_process = per_process
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.drop_last = drop_last
+        self.padded_samples = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        size = self.per_process * self.num_processes
+        mine = slice(self.process_index * self.per_process, (self.process_index + 1) * self.per_process)
+        self.padded_samples = 0
+        first: list[Any] | None = None
+        chunk: list[Any] = []
+        for item in self.dataset:
+            chunk.append(item)
+            if len(chunk) == size:
+                first = chunk if first is None else first
+                yield from chunk[mine]
+                chunk = []
+        if chunk and not self.drop_last:
+            pool = first if first is not None else chunk
+            need = size - len(chunk)
+            chunk = chunk + (pool * (need // len(pool) + 1))[:need]
+            self.padded_samples = need
+            yield from chunk[mine]
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+
 class SeededRandomSampler(RandomSampler):
     """A RandomSampler whose order depends on (seed, epoch) only, the same on every process."""
 
@@ -112,10 +155,7 @@ def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: 
     if num_processes == 1 and not reshuffle:
         return dataloader, None
     if isinstance(dataloader.dataset, IterableDataset):
-        raise NotImplementedError(
-            "sharding an IterableDataset across processes is not supported yet: split the stream "
-            "yourself (by process_index) and prepare the loader with device_placement only"
-        )
+        return _shard_iterable(dataloader, num_processes, process_index)
     if dataloader.batch_size is None:
         raise ValueError("a DataLoader with a custom batch_sampler cannot be sharded yet; "
                          "give it batch_size= and a sampler instead")
@@ -135,6 +175,21 @@ def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: 
     return DataLoader(dataloader.dataset, batch_sampler=sharded, **kwargs), sharded
 
 
+def _shard_iterable(dataloader: DataLoader, num_processes: int,
+                    process_index: int) -> tuple[DataLoader, ShardedIterable | None]:
+    if num_processes == 1:
+        return dataloader, None
+    if dataloader.num_workers > 0:
+        # Each worker would read its own copy of the stream, and the padding count would stay in
+        # the worker processes, where gather_for_metrics cannot see it.
+        raise ValueError("an IterableDataset is sharded across processes in the main process: "
+                         "prepare its DataLoader with num_workers=0 (or split the stream yourself)")
+    sharded = ShardedIterable(dataloader.dataset, dataloader.batch_size or 1, num_processes, process_index,
+                              drop_last=dataloader.drop_last)
+    kwargs = {name: getattr(dataloader, name) for name in ("collate_fn", "pin_memory", "timeout")}
+    return DataLoader(sharded, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last, **kwargs), sharded
+
+
 class PreparedDataLoader:
     """Iterates this process's batches, moving each to the device.
 
@@ -150,6 +205,7 @@ class PreparedDataLoader:
         self.device = device
         self.gradient_state = gradient_state
         self.end_of_dataloader = False
+        # A ShardedBatchSampler, or a ShardedIterable for a stream; None when nothing is sharded.
         self.loader, self.sharded_sampler = shard_dataloader(dataloader, num_processes, process_index, seed)
         self.stateful = stateful
         self.epoch = 0
@@ -199,7 +255,9 @@ class PreparedDataLoader:
             self.gradient_state.end_dataloader(self)
 
     def _apply_epoch(self) -> None:
-        for holder in (self.sharded_sampler, self.base_dataloader.sampler):
+        dataset = self.base_dataloader.dataset
+        stream = dataset if isinstance(dataset, IterableDataset) else None  # e.g. a streaming dataset's set_epoch
+        for holder in (self.sharded_sampler, self.base_dataloader.sampler, stream):
             if holder is not None and hasattr(holder, "set_epoch"):
                 holder.set_epoch(self.epoch)
                 return
@@ -276,7 +334,9 @@ def skip_first_batches(dataloader: PreparedDataLoader, num_batches: int) -> Skip
         raise TypeError("skip_first_batches takes a dataloader returned by Accelerator.prepare")
     if not isinstance(num_batches, int) or num_batches < 0:
         raise ValueError(f"num_batches must be an int >= 0, got {num_batches!r}")
-    if num_batches > len(dataloader):
+    if isinstance(dataloader.dataset, IterableDataset):
+        pass  # a stream has no length to check against
+    elif num_batches > len(dataloader):
         warnings.warn(f"skipping {num_batches} batches of a {len(dataloader)}-batch epoch leaves "
                       "nothing to iterate", UserWarning, stacklevel=2)
     return SkippedDataLoader(dataloader, num_batches)

@@ -1,0 +1,71 @@
+"""Dataloader sharding without processes: what process r of W would iterate, checked against one
+process's order."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+from kiln.accumulation import GradientState
+from kiln.data import PreparedDataLoader
+
+
+class Stream(IterableDataset):
+    """0, 1, ..., n-1 as a stream without a length; counts set_epoch calls."""
+
+    def __init__(self, n):
+        self.n = n
+        self.epochs = []
+
+    def __iter__(self):
+        return iter(torch.arange(self.n, dtype=torch.float32))
+
+    def set_epoch(self, epoch):
+        self.epochs.append(epoch)
+
+
+def per_process(loader_factory, processes):
+    """The batches of each process, from loaders prepared as process r of `processes`."""
+    result = []
+    for rank in range(processes):
+        prepared = PreparedDataLoader(loader_factory(), None, GradientState(), processes, rank, seed=0)
+        batches = [(batch[0] if isinstance(batch, (list, tuple)) else batch).tolist() for batch in prepared]
+        result.append((batches, prepared.padded_samples))
+    return result
+
+
+@pytest.mark.parametrize("n, drop_last", [(12, False), (11, False), (11, True), (3, False)])
+def test_a_stream_is_dealt_like_a_map_style_dataset(n, drop_last):
+    stream = per_process(lambda: DataLoader(Stream(n), batch_size=2, drop_last=drop_last), 2)
+    mapped = per_process(lambda: DataLoader(TensorDataset(torch.arange(n, dtype=torch.float32)), batch_size=2,
+                                            drop_last=drop_last), 2)
+    assert stream == mapped
+
+
+def test_a_stream_gives_every_process_the_same_number_of_batches_and_counts_the_padding():
+    (first, pad0), (second, pad1) = per_process(lambda: DataLoader(Stream(11), batch_size=2), 2)
+    assert first == [[0, 1], [4, 5], [8, 9]] and second == [[2, 3], [6, 7], [10, 0]]
+    assert pad0 == pad1 == 1  # sample 0 was repeated to fill the last round
+    flat = sorted(x for batch in first + second for x in batch)
+    assert flat[pad0:] == [float(i) for i in range(11)]
+
+
+def test_a_stream_that_yields_whole_batches_is_dealt_batch_by_batch():
+    class Batches(IterableDataset):
+        def __iter__(self):
+            return (torch.full((2,), float(i)) for i in range(5))
+
+    (first, _), (second, pad) = per_process(lambda: DataLoader(Batches(), batch_size=None), 2)
+    assert [b[0] for b in first] == [0, 2, 4] and [b[0] for b in second] == [1, 3, 0] and pad == 1
+
+
+def test_a_stream_is_told_the_epoch():
+    stream = Stream(4)
+    prepared = PreparedDataLoader(DataLoader(stream, batch_size=2), None, GradientState(), 2, 0, seed=0)
+    list(prepared)
+    list(prepared)
+    assert stream.epochs == [0, 1]
+
+
+def test_a_stream_with_worker_processes_is_refused():
+    with pytest.raises(ValueError, match="num_workers=0"):
+        PreparedDataLoader(DataLoader(Stream(4), batch_size=2, num_workers=1), None, GradientState(), 2, 0)
