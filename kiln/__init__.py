@@ -8,6 +8,7 @@ from kiln.buckets import BucketCollator
 from kiln.checkpoint import load_model
 from kiln.compile.regions import KilnCompileWarning, compile_regions, find_repeated_blocks
 from kiln.compile.report import CompileReport, compile_report
+from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.state import DistributedType
@@ -18,6 +19,7 @@ __all__ = [
     "Accelerator",
     "BucketCollator",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "FullyShardedDataParallelPlugin",
     "CompileReport",
     "DistributedType",

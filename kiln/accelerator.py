@@ -25,6 +25,7 @@ from kiln.compile.session import CompileSession
 from kiln.data import PreparedDataLoader, skip_first_batches
 from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
+from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
 from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
 from kiln.plugins import DISABLED_BACKENDS, DataLoaderConfiguration, TorchDynamoPlugin, parse_bool
 from kiln.precision import Precision, remove_precision_wrapper
@@ -53,6 +54,7 @@ class Accelerator(ProcessAPI):
         step_scheduler_with_optimizer: bool = True,
         dataloader_config: DataLoaderConfiguration | None = None,
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
         log_with: str | list[str] | None = None,
         project_dir: str | os.PathLike | None = None,
     ) -> None:
@@ -63,7 +65,10 @@ class Accelerator(ProcessAPI):
         self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        self.strategy = self._choose_strategy(fsdp_plugin)
+        self.strategy = self._choose_strategy(fsdp_plugin, deepspeed_plugin)
+        if self.strategy.owns_backward:
+            self.precision.scaler = None  # the engine scales fp16 losses itself
+        self.strategy.check_compile(self.dynamo_plugin)
         # One shuffle seed for every process, so the sharded batches of an epoch agree.
         # torch.initial_seed() follows set_seed without drawing from (and shifting) the user's RNG.
         self.data_seed = collectives.broadcast_object(torch.initial_seed() % 2**31)
@@ -99,21 +104,30 @@ class Accelerator(ProcessAPI):
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._optimizers)
 
-    def _choose_strategy(self, fsdp_plugin: FullyShardedDataParallelPlugin | None) -> Strategy:
+    def _choose_strategy(self, fsdp_plugin: FullyShardedDataParallelPlugin | None,
+                         deepspeed_plugin: DeepSpeedPlugin | None) -> Strategy:
         """From the plugins passed, else the launcher's KILN_DISTRIBUTED_TYPE, else DDP."""
         requested = os.environ.get("KILN_DISTRIBUTED_TYPE", "").strip().upper()
-        known = ("", "NO", "MULTI_CPU", "MULTI_GPU", "DDP", "FSDP")
+        known = ("", "NO", "MULTI_CPU", "MULTI_GPU", "DDP", "FSDP", "DEEPSPEED")
         if requested not in known:
             raise ValueError(f"KILN_DISTRIBUTED_TYPE={requested!r} is not one of: {', '.join(known[1:])}")
-        if fsdp_plugin is None and requested == "FSDP":
-            fsdp_plugin = FullyShardedDataParallelPlugin()
+        if fsdp_plugin is not None and deepspeed_plugin is not None:
+            raise ValueError("pass fsdp_plugin or deepspeed_plugin, not both: they are two ways to shard one model")
+        if fsdp_plugin is None and deepspeed_plugin is None:
+            if requested == "FSDP":
+                fsdp_plugin = FullyShardedDataParallelPlugin()
+            elif requested == "DEEPSPEED":
+                deepspeed_plugin = DeepSpeedPlugin.from_env()
         if self.num_processes == 1:
-            if fsdp_plugin is not None:
-                warnings.warn("FSDP was asked for, but this is a single process: training unsharded",
+            if fsdp_plugin is not None or deepspeed_plugin is not None:
+                asked = "FSDP" if fsdp_plugin is not None else "DeepSpeed"
+                warnings.warn(f"{asked} was asked for, but this is a single process: training unsharded",
                               UserWarning, stacklevel=3)
             return SingleProcess()
         if fsdp_plugin is not None:
             return FSDPStrategy(fsdp_plugin, self.precision.mode)
+        if deepspeed_plugin is not None:
+            return DeepSpeedStrategy(deepspeed_plugin, self.precision.mode, self.gradient_accumulation_steps)
         return DDPStrategy(self.device)
 
     @property
@@ -134,6 +148,7 @@ class Accelerator(ProcessAPI):
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError("the same object was passed to prepare twice in one call")
         results: list[Any] = [None] * len(objects)
+        self.strategy.begin_prepare(objects)
         # Models first: a sharding strategy replaces their parameters, and optimizers must follow.
         for i, (obj, place) in enumerate(zip(objects, placements)):
             if isinstance(obj, nn.Module):
@@ -190,9 +205,8 @@ class Accelerator(ProcessAPI):
             # Loaded optimizer state may sit on another device; a state_dict round trip moves it
             # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).
             optimizer.load_state_dict(optimizer.state_dict())
-        self.strategy.prepare_optimizer(optimizer)
-        prepared = PreparedOptimizer(optimizer, self.gradient_state, self.scaler,
-                                     on_step=self.compiler.after_optimizer_step)
+        prepared = self.strategy.wrap_optimizer(optimizer, self.gradient_state, self.scaler,
+                                                on_step=self.compiler.after_optimizer_step)
         self._optimizers.append(prepared)
         self._prepared.add(optimizer)
         self._prepared.add(prepared)
@@ -241,7 +255,13 @@ class Accelerator(ProcessAPI):
 
     # ----- the training step ---------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """`loss.backward()`, divided over the accumulation steps and scaled for fp16."""
+        """`loss.backward()`, divided over the accumulation steps and scaled for fp16.
+
+        Under DeepSpeed, the engine's backward and step (which acts at the end of an accumulation
+        window), as Accelerate does."""
+        if self.strategy.owns_backward:
+            self.strategy.backward(loss, self.sync_gradients, **kwargs)
+            return
         if self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.scaler is not None:
@@ -274,11 +294,19 @@ class Accelerator(ProcessAPI):
 
     def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradient norm, after removing the fp16 loss scale; returns the total norm."""
+        """Clip the gradient norm, after removing the fp16 loss scale; returns the total norm.
+
+        Under DeepSpeed the engine clips inside its step to its configured `gradient_clipping`
+        (which must equal `max_norm`) and this returns the norm it measured."""
+        if self.strategy.owns_backward:
+            return self.strategy.clip_grad_norm(max_norm)
         self.unscale_gradients()
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        if self.strategy.owns_backward:
+            raise ValueError(f"{self.strategy.name} clips by norm inside its step; use clip_grad_norm_ "
+                             "with its gradient_clipping")
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 

@@ -104,7 +104,7 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
     barrier()  # every process's RNG file is on disk before the manifest says so
     if is_main_process:
         manifest = {"format": FORMAT_VERSION, "created": time.time(), "num_processes": num_processes,
-                    "files": sorted(files), "torch": torch.__version__}
+                    "files": sorted(files), "torch": torch.__version__, "strategy": strategy.name}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _replace_dir(staging, target)
     barrier()
@@ -150,6 +150,9 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
     if sharded != strategy.sharded_checkpoints:
         raise ValueError(f"checkpoint {folder} was written {'per process (sharded)' if sharded else 'whole'}, "
                          f"but this run's {strategy.name} strategy {'shards' if strategy.sharded_checkpoints else 'does not shard'}")
+    if sharded and manifest.get("strategy", strategy.name) != strategy.name:
+        raise ValueError(f"checkpoint {folder} holds {manifest['strategy']} shards, which the {strategy.name} "
+                         "strategy of this run cannot read; load it with the strategy that wrote it")
     counts = {prefix: sum(1 for f in manifest["files"] if f.startswith(prefix + "_"))
               for prefix in ("scheduler", "custom", "dataloader")}
     counts["model"] = sum(1 for f in manifest["files"] if f.startswith(("model_", "sharded_model_")))

@@ -144,3 +144,21 @@ def test_mismatched_objects_are_a_clear_error(tmp_path):
     other.prepare(Regressor())
     with pytest.raises(ValueError, match=r"holds 1 \w+\(s\), this run prepared 0"):
         other.load_state(tmp_path / "ckpt")
+
+
+def test_shards_of_another_strategy_are_refused(tmp_path):
+    import json
+
+    from kiln.parallel.base import Strategy
+    from kiln.resume import MANIFEST, load_training_state
+
+    class ZeroShards(Strategy):
+        name = "deepspeed"
+        sharded_checkpoints = True
+
+    (tmp_path / "sharded_model_0").mkdir()
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": 1, "num_processes": 1, "files": ["sharded_model_0"],
+                                                 "strategy": "fsdp"}))
+    with pytest.raises(ValueError, match="holds fsdp shards, which the deepspeed strategy"):
+        load_training_state(tmp_path, models=[], strategy=ZeroShards(), optimizers=[], schedulers=[],
+                            dataloaders=[], custom=[], scaler=None, process_index=0, num_processes=1)

@@ -27,6 +27,8 @@ def ask(prompt: Callable[[str], str] = input) -> dict[str, Any]:
     """One question per setting; an empty answer keeps the default shown; a bad one is asked again."""
     answers: dict[str, Any] = {}
     for setting in SETTINGS:
+        if setting.only_for and answers.get("distributed_type", BY_NAME["distributed_type"].default) != setting.only_for:
+            continue
         while True:
             raw = prompt(f"{setting.help} [{setting.name}, default {setting.default}]: ").strip()
             if not raw:
@@ -52,7 +54,8 @@ def run(args: argparse.Namespace, prompt: Callable[[str], str] = input) -> int:
         return 2
     target = Path(args.config_file).expanduser() if args.config_file else DEFAULT_CONFIG
     target.parent.mkdir(parents=True, exist_ok=True)
-    body = {s.name: settings[s.name] for s in SETTINGS}
+    body = {s.name: settings[s.name] for s in SETTINGS
+            if not s.only_for or settings["distributed_type"] == s.only_for}
     partial = target.with_name(target.name + ".partial")
     partial.write_text(yaml.safe_dump(body, sort_keys=False))
     partial.replace(target)

@@ -6,6 +6,7 @@ Depends on kiln.cli.settings and torch.distributed.run (started as a child proce
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,7 +18,8 @@ from kiln.cli.settings import DEFAULT_CONFIG, add_setting_flags, load_config_fil
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "launch", help="run a training script on N processes (one machine or many)",
-        description="Start SCRIPT with torch.distributed.run. Settings come from flags, then the "
+        description="Start SCRIPT with torch.distributed.run (DeepSpeed runs too: its engine joins the "
+                    "process group torchrun sets up). Settings come from flags, then the "
                     f"--config_file (default {DEFAULT_CONFIG} if it exists), then defaults; every "
                     "setting reaches every process as a KILN_* environment variable.")
     parser.add_argument("--config_file", default=None, help="YAML written by `kiln config`")
@@ -53,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"kiln launch: {error}", file=sys.stderr)
         return 2
-    if settings["distributed_type"] == "deepspeed":
-        print("kiln launch: distributed_type 'deepspeed' is not supported by this Kiln version yet; "
-              "use ddp or fsdp", file=sys.stderr)
+    if settings["distributed_type"] == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        print("kiln launch: distributed_type is deepspeed, but DeepSpeed is not installed: "
+              "pip install 'kiln[deepspeed]'", file=sys.stderr)
         return 2
     if not os.path.isfile(args.script):
         print(f"kiln launch: no script at {args.script}", file=sys.stderr)

@@ -47,6 +47,27 @@ def _positive(value: Any) -> int:
     return number
 
 
+def _zero_stage(value: Any) -> int:
+    number = int(value)
+    if number not in (0, 1, 2, 3):
+        raise ValueError(f"{value!r} is not a ZeRO stage; use 0, 1, 2 or 3")
+    return number
+
+
+def _norm(value: Any) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise ValueError(f"{value!r} must be a norm >= 0")
+    return number
+
+
+def _json_file(value: Any) -> str:
+    path = Path(str(value)).expanduser().resolve()  # absolute: every process, wherever it runs from
+    if not path.is_file():
+        raise ValueError(f"no DeepSpeed config file at {path}")
+    return str(path)
+
+
 def _non_negative(value: Any) -> int:
     number = int(value)
     if number < 0:
@@ -61,6 +82,7 @@ class Setting:
     parse: Callable[[Any], Any]
     env: str | None  # the variable every launched process gets, if any
     help: str
+    only_for: str | None = None  # a distributed_type this setting belongs to
 
 
 SETTINGS = (
@@ -80,6 +102,15 @@ SETTINGS = (
     Setting("dynamo_use_dynamic", None, _tristate, "KILN_DYNAMO_USE_DYNAMIC", "dynamic shapes: true/false/none"),
     Setting("dynamo_use_regional_compilation", False, _bool, "KILN_DYNAMO_USE_REGIONAL_COMPILATION",
             "compile each repeated block once"),
+    Setting("deepspeed_config_file", None, _json_file, "KILN_DEEPSPEED_CONFIG_FILE",
+            "DeepSpeed config JSON (\"auto\" values are filled by Kiln)", "deepspeed"),
+    Setting("zero_stage", None, _zero_stage, "KILN_DEEPSPEED_ZERO_STAGE", "ZeRO stage 0-3 (default 2)", "deepspeed"),
+    Setting("gradient_clipping", None, _norm, "KILN_DEEPSPEED_GRADIENT_CLIPPING",
+            "max gradient norm DeepSpeed clips to in its step", "deepspeed"),
+    Setting("offload_optimizer_device", None, _choice(("none", "cpu")), "KILN_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+            "where ZeRO keeps optimizer state: none or cpu", "deepspeed"),
+    Setting("offload_param_device", None, _choice(("none", "cpu")), "KILN_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+            "where ZeRO-3 keeps parameters: none or cpu", "deepspeed"),
     Setting("process_group_timeout", 600, _positive, "KILN_PROCESS_GROUP_TIMEOUT",
             "seconds a collective waits for a lost process"),
 )
@@ -123,6 +154,10 @@ def resolve(flags: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     if settings["num_processes"] % settings["num_machines"]:
         raise ValueError(f"num_processes={settings['num_processes']} does not split evenly over "
                          f"num_machines={settings['num_machines']}")
+    for setting in SETTINGS:
+        if setting.only_for and settings[setting.name] is not None and settings["distributed_type"] != setting.only_for:
+            raise ValueError(f"{setting.name} is a {setting.only_for} setting, but distributed_type is "
+                             f"{settings['distributed_type']}")
     if settings["machine_rank"] >= settings["num_machines"]:
         raise ValueError(f"machine_rank={settings['machine_rank']} but num_machines={settings['num_machines']}")
     return settings

@@ -1,6 +1,7 @@
 """How the model is spread over processes: one strategy class per way, behind one small interface.
 
-Depends on torch and kiln.state only; a strategy never imports the facade or the compile package.
+Depends on torch, kiln.state and kiln.optim only; a strategy never imports the facade or the compile
+package.
 """
 
 from kiln.parallel.base import SingleProcess, Strategy

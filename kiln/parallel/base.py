@@ -1,17 +1,19 @@
 """The strategy interface, and the strategy for one process (which changes nothing).
 
-Depends on torch and kiln.state only.
+Depends on torch, kiln.state and kiln.optim only.
 """
 
 from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from kiln.accumulation import GradientState
+from kiln.optim import PreparedOptimizer
 from kiln.state import DistributedType
 
 
@@ -23,6 +25,13 @@ class Strategy:
     distributed_type: DistributedType | None = None  # None: the process state's own type
     sharded_checkpoints = False  # True: save_state writes each process's shard (DCP)
     activation_checkpointing = False  # True: prepare checkpoints each repeated block first
+    owns_backward = False  # True: backward, the optimizer step, clipping and loss scaling are its own
+
+    def check_compile(self, dynamo_plugin: Any) -> None:
+        """Refuse, at construction, a compile setting this strategy cannot run."""
+
+    def begin_prepare(self, objects: tuple[Any, ...]) -> None:
+        """Told everything one prepare() call holds, before any of it is prepared."""
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
         """Called by `prepare` after compile and precision: returns what the user trains."""
@@ -31,6 +40,21 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's own module inside whatever `wrap_model` returned."""
         return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
+                       scaler: torch.amp.GradScaler | None,
+                       on_step: Callable[[], None] | None) -> PreparedOptimizer:
+        """What the user steps: waits for the end of an accumulation window, scales for fp16."""
+        self.prepare_optimizer(optimizer)
+        return PreparedOptimizer(optimizer, gradient_state, scaler, on_step=on_step)
+
+    def backward(self, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:
+        """Only for strategies that own the backward pass (`owns_backward`)."""
+        raise NotImplementedError(f"{self.name} leaves backward to the accelerator")
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
+        """Only for strategies that own the backward pass, and so the clipping."""
+        raise NotImplementedError(f"{self.name} leaves clipping to the accelerator")
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

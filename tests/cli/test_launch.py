@@ -74,6 +74,36 @@ def test_config_writes_what_launch_reads(tmp_path):
     assert settings["distributed_type"] == "fsdp" and settings["dynamo_use_regional_compilation"] is True
 
 
+def test_deepspeed_settings_need_distributed_type_deepspeed(tmp_path):
+    with pytest.raises(ValueError, match="zero_stage is a deepspeed setting"):
+        resolve({"zero_stage": 3}, {"distributed_type": "fsdp"})
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        resolve({"zero_stage": 5, "distributed_type": "deepspeed"}, {})
+    with pytest.raises(ValueError, match="no DeepSpeed config file"):
+        resolve({"deepspeed_config_file": str(tmp_path / "missing.json"), "distributed_type": "deepspeed"}, {})
+    (tmp_path / "ds.json").write_text("{}")
+    settings = resolve({"distributed_type": "deepspeed", "zero_stage": "3", "gradient_clipping": "1.0",
+                        "deepspeed_config_file": str(tmp_path / "ds.json")}, {})
+    env = process_environment(settings)
+    assert env["KILN_DISTRIBUTED_TYPE"] == "deepspeed" and env["KILN_DEEPSPEED_ZERO_STAGE"] == "3"
+    assert env["KILN_DEEPSPEED_GRADIENT_CLIPPING"] == "1.0"
+    assert env["KILN_DEEPSPEED_CONFIG_FILE"] == str((tmp_path / "ds.json").resolve())
+
+
+def test_config_asks_deepspeed_questions_only_for_deepspeed():
+    asked = []
+
+    def prompt(text):
+        asked.append(text)
+        return {"distributed_type": "deepspeed", "zero_stage": "3"}.get(text.split("[")[1].split(",")[0], "")
+
+    assert ask(prompt) == {"distributed_type": "deepspeed", "zero_stage": 3}
+    assert any("zero_stage" in text for text in asked)
+    asked.clear()
+    ask(lambda text: asked.append(text) or "")
+    assert not any("zero_stage" in text for text in asked)
+
+
 def test_config_asks_when_run_without_flags():
     answers = iter(["2", "", "", "", "", "nonsense", "fsdp"] + [""] * 20)
     settings = ask(lambda prompt: next(answers))
@@ -123,9 +153,12 @@ def test_two_machines_simulated_on_one_host_train_to_the_end(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", [["ddp"], ["fsdp"], ["deepspeed", "--zero_stage", "3", "--gradient_clipping", "1"]],
+                         ids=["ddp", "fsdp", "deepspeed"])
 def test_the_demo_runs_unchanged_under_kiln_launch(tmp_path, strategy):
-    done = kiln("launch", "--num_processes", "2", "--distributed_type", strategy, "--main_process_port",
+    if strategy[0] == "deepspeed":
+        pytest.importorskip("deepspeed")
+    done = kiln("launch", "--num_processes", "2", "--distributed_type", *strategy, "--main_process_port",
                 str(free_port()), str(ROOT / "examples/train_lm.py"), "--backend", "aot_eager", "--steps", "4",
                 "--log-every", "2", "--layers", "2", "--width", "32", "--batch", "4", "--seq", "32",
                 "--out", str(tmp_path / "weights"), cwd=tmp_path)

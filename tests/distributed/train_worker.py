@@ -18,6 +18,7 @@ from toy_models import Regressor  # noqa: E402
 
 from kiln import Accelerator, TorchDynamoPlugin  # noqa: E402
 from kiln.compile.regions import compiled_regions  # noqa: E402
+from kiln.parallel.deepspeed import DeepSpeedPlugin  # noqa: E402
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin  # noqa: E402
 from kiln.plugins import DataLoaderConfiguration  # noqa: E402
 from kiln.utils import set_seed  # noqa: E402
@@ -36,6 +37,16 @@ class Progress:
         self.epoch, self.batches, self.steps = state["epoch"], state["batches"], state["steps"]
 
 
+class Stream(torch.utils.data.IterableDataset):
+    """0, 1, ..., n-1 as a stream with no length."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return ((torch.tensor(float(i)),) for i in range(self.n))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -44,6 +55,7 @@ def main() -> None:
     parser.add_argument("--grad-accum", type=int, default=2)
     parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--eval-samples", type=int, default=10)
+    parser.add_argument("--eval-stream", action="store_true", help="evaluate on an IterableDataset")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--save-at", type=int, default=0, help="save_state after this many steps, then stop")
@@ -51,7 +63,10 @@ def main() -> None:
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--zero-stage", type=int, default=None, help="train with DeepSpeed at this ZeRO stage")
     parser.add_argument("--save-model", default=None)
+    parser.add_argument("--poison-step", type=int, default=0,
+                        help="put an inf into rank 0's gradients (its shard only) before this optimizer step")
     args = parser.parse_args()
 
     set_seed(0)
@@ -61,22 +76,28 @@ def main() -> None:
                       gradient_accumulation_steps=args.grad_accum,
                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful),
                       fsdp_plugin=FullyShardedDataParallelPlugin(
-                          activation_checkpointing=args.activation_checkpointing) if args.fsdp else None)
+                          activation_checkpointing=args.activation_checkpointing) if args.fsdp else None,
+                      deepspeed_plugin=DeepSpeedPlugin(zero_stage=args.zero_stage, gradient_clipping=1.0)
+                      if args.zero_stage is not None else None)
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
     per_process = args.global_batch // acc.num_processes
     loader = DataLoader(TensorDataset(x, y), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
     eval_data = TensorDataset(torch.arange(args.eval_samples, dtype=torch.float32))
+    if args.eval_stream:
+        eval_data = Stream(args.eval_samples)
     eval_loader = DataLoader(eval_data, batch_size=3)
     model = Regressor()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    model, optimizer, loader, eval_loader = acc.prepare(model, optimizer, loader, eval_loader)
+    # Halving the rate each step makes a scheduler that did not reach the optimizer change the losses.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, loader, eval_loader, scheduler = acc.prepare(model, optimizer, loader, eval_loader, scheduler)
     progress = Progress()
     acc.register_for_checkpointing(progress)
     if args.resume_from:
         acc.load_state(args.resume_from)
 
-    losses, window = [], 0.0
+    losses, skipped, window = [], [], 0.0
     while progress.epoch < args.epochs:
         skip = progress.batches if (args.resume_from and not args.stateful and losses == []) else 0
         batches = acc.skip_first_batches(loader, skip) if skip else loader
@@ -85,10 +106,17 @@ def main() -> None:
                 loss = model(inputs, targets)["loss"]
                 acc.backward(loss)
                 window += acc.reduce(loss.detach(), "mean").item() / args.grad_accum
+                if acc.sync_gradients and progress.steps + 1 == args.poison_step and acc.process_index == 0:
+                    grad = next(p.grad for p in model.parameters() if p.grad is not None)
+                    (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
+                scheduler.step()
                 optimizer.zero_grad()
             progress.batches += 1
             if acc.sync_gradients:
+                skipped.append(acc.optimizer_step_was_skipped)
                 losses.append(window)
                 window = 0.0
                 progress.steps += 1
@@ -110,9 +138,10 @@ def main() -> None:
         acc.save_model(model, args.save_model)
     all_calls = acc.gather(torch.tensor([calls])).tolist()
     all_checksums = acc.gather(torch.tensor([checksum], dtype=torch.float64)).tolist()
+    all_skipped = [[bool(x) for x in row] for row in acc.gather(torch.tensor([skipped], dtype=torch.int64)).tolist()]
     if acc.is_main_process:
         with open(args.out, "w") as handle:
-            json.dump({"losses": losses, "calls": all_calls, "checksums": all_checksums,
+            json.dump({"losses": losses, "calls": all_calls, "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
                        "distributed_type": str(acc.distributed_type.value), "keys": sorted(full)}, handle)
     acc.end_training()

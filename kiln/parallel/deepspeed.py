@@ -1,0 +1,338 @@
+"""DeepSpeed ZeRO stages 0-3: the engine owns backward, the optimizer step, mixed precision and its
+own checkpoints; Kiln fills the engine's config from the Accelerator's settings.
+
+Depends on torch, kiln.optim and kiln.parallel.base; DeepSpeed itself is imported only when a
+DeepSpeed strategy is built (`pip install kiln[deepspeed]`). The model arrives compiled in place,
+so `engine.module` is the user's module running its compiled blocks (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.accumulation import GradientState
+from kiln.optim import PreparedOptimizer
+from kiln.parallel.base import Strategy
+from kiln.state import DistributedType
+
+OFFLOAD_DEVICES = ("none", "cpu")
+# Sections that would make DeepSpeed build its own optimizer or scheduler next to the user's.
+_REFUSED_SECTIONS = ("optimizer", "scheduler")
+
+
+def import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise ImportError("DeepSpeed was asked for but is not installed: pip install 'kiln[deepspeed]'") from error
+    return deepspeed
+
+
+@dataclass
+class DeepSpeedPlugin:
+    """DeepSpeed settings; anything left None comes from the config or from the Accelerator.
+
+    hf_ds_config: a DeepSpeed config as a dict or the path of a JSON file ("auto" values are
+    filled by Kiln). zero_stage: 0-3 (default 2). gradient_clipping: max gradient norm, applied by
+    the engine inside its step. offload_optimizer_device / offload_param_device: "none" or "cpu"
+    (parameters only with stage 3).
+
+    >>> Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_clipping=1.0))
+    """
+
+    hf_ds_config: dict | str | os.PathLike | None = None
+    zero_stage: int | None = None
+    gradient_clipping: float | None = None
+    offload_optimizer_device: str | None = None
+    offload_param_device: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf_ds_config, (str, os.PathLike)):
+            self.hf_ds_config = _read_config_file(Path(self.hf_ds_config))
+        elif self.hf_ds_config is not None and not isinstance(self.hf_ds_config, dict):
+            raise TypeError(f"hf_ds_config must be a dict or a JSON file path, got {type(self.hf_ds_config).__name__}")
+        if self.zero_stage is not None:
+            if isinstance(self.zero_stage, bool) or int(self.zero_stage) != self.zero_stage or not 0 <= self.zero_stage <= 3:
+                raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+            self.zero_stage = int(self.zero_stage)
+        if self.gradient_clipping is not None:
+            value = float(self.gradient_clipping)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"gradient_clipping must be a norm >= 0, got {self.gradient_clipping!r}")
+            self.gradient_clipping = value
+        for name in ("offload_optimizer_device", "offload_param_device"):
+            value = getattr(self, name)
+            if value is not None and str(value).lower() not in OFFLOAD_DEVICES:
+                raise ValueError(f"{name} must be one of {', '.join(OFFLOAD_DEVICES)}, got {value!r}")
+            setattr(self, name, None if value is None else str(value).lower())
+
+    @classmethod
+    def from_env(cls) -> "DeepSpeedPlugin":
+        """The settings `kiln launch` passes to every process (KILN_DEEPSPEED_*)."""
+        def read(name: str, parse: Callable[[str], Any]) -> Any:
+            raw = os.environ.get(f"KILN_DEEPSPEED_{name}")
+            try:
+                return parse(raw) if raw not in (None, "") else None
+            except ValueError:
+                raise ValueError(f"KILN_DEEPSPEED_{name}={raw!r} is not valid") from None
+
+        return cls(hf_ds_config=read("CONFIG_FILE", str), zero_stage=read("ZERO_STAGE", int),
+                   gradient_clipping=read("GRADIENT_CLIPPING", float),
+                   offload_optimizer_device=read("OFFLOAD_OPTIMIZER_DEVICE", str),
+                   offload_param_device=read("OFFLOAD_PARAM_DEVICE", str))
+
+
+def _read_config_file(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"no DeepSpeed config file at {path}")
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"DeepSpeed config {path} is not valid JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"DeepSpeed config {path} must hold a JSON object")
+    return config
+
+
+def _fill(config: dict, keys: tuple[str, ...], value: Any, source: str) -> None:
+    """Set config[keys...] to value where it is missing or "auto"; a different value is an error."""
+    if value is None:
+        return
+    node = config
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    current = node.get(keys[-1], "auto")
+    if current == "auto":
+        node[keys[-1]] = value
+    elif current != value:
+        raise ValueError(f"the DeepSpeed config sets {'.'.join(keys)}={current!r}, but {source} says {value!r}; "
+                         "make them agree or set the config's value to \"auto\"")
+
+
+def build_config(plugin: DeepSpeedPlugin, *, mixed_precision: str, gradient_accumulation_steps: int,
+                 micro_batch_size: int | None) -> dict:
+    """The engine's config: the user's, with "auto" and missing values filled from Kiln's settings
+    and every conflict an error (DeepSpeed would otherwise train with a setting nobody chose)."""
+    config = json.loads(json.dumps(plugin.hf_ds_config or {}))  # a deep copy, kept JSON-clean
+    refused = [name for name in _REFUSED_SECTIONS if name in config]
+    if refused:
+        raise ValueError(f"the DeepSpeed config has {' and '.join(refused)} section(s); Kiln hands DeepSpeed the "
+                         "torch optimizer and scheduler you prepare: remove the section(s)")
+    config.setdefault("zero_optimization", {})
+    _fill(config, ("zero_optimization", "stage"), plugin.zero_stage, "DeepSpeedPlugin.zero_stage")
+    if config["zero_optimization"].get("stage", "auto") == "auto":
+        config["zero_optimization"]["stage"] = 2
+    _fill(config, ("gradient_clipping",), plugin.gradient_clipping, "DeepSpeedPlugin.gradient_clipping")
+    _fill(config, ("gradient_accumulation_steps",), gradient_accumulation_steps,
+          "Accelerator(gradient_accumulation_steps=)")
+    for section, device in (("offload_optimizer", plugin.offload_optimizer_device),
+                            ("offload_param", plugin.offload_param_device)):
+        _fill(config, ("zero_optimization", section, "device"), device, f"DeepSpeedPlugin.{section}_device")
+    for name in ("fp16", "bf16"):
+        section = config.setdefault(name, {})
+        wanted = mixed_precision == name
+        current = section.get("enabled", "auto")
+        if current == "auto":
+            section["enabled"] = wanted
+        elif bool(current) != wanted:
+            raise ValueError(f"the DeepSpeed config sets {name}.enabled={current}, but the Accelerator's "
+                             f"mixed_precision is {mixed_precision!r}; make them agree")
+    if config.get("train_micro_batch_size_per_gpu", "auto") == "auto" and config.get("train_batch_size", "auto") == "auto":
+        if micro_batch_size is None:
+            raise ValueError("DeepSpeed needs the batch size per process: prepare the dataloader in the same "
+                             "prepare() call as the model, or set train_micro_batch_size_per_gpu in the config")
+        config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    if config.get("train_batch_size") == "auto":
+        del config["train_batch_size"]  # DeepSpeed derives it from the micro batch size
+    config.setdefault("zero_allow_untested_optimizer", True)
+    config.setdefault("steps_per_print", 2**31 - 1)  # Kiln's and the user's logs, not DeepSpeed's
+    leftover = _auto_keys(config)
+    if leftover:
+        raise ValueError(f"Kiln cannot fill these \"auto\" values of the DeepSpeed config: {', '.join(leftover)}")
+    stage = config["zero_optimization"]["stage"]
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if config["zero_optimization"].get("offload_param", {}).get("device", "none") != "none" and stage != 3:
+        raise ValueError(f"offload_param needs ZeRO stage 3; this config uses stage {stage}")
+    return config
+
+
+def _auto_keys(node: Any, prefix: str = "") -> list[str]:
+    if isinstance(node, dict):
+        return [key for name, value in node.items() for key in _auto_keys(value, f"{prefix}{name}.")]
+    return [prefix.rstrip(".")] if node == "auto" else []
+
+
+class DeepSpeedStrategy(Strategy):
+    """One DeepSpeed engine around the prepared model and its optimizer.
+
+    Follows Accelerate's contract so scripts written for it run unchanged: `backward` runs the
+    engine's backward and step (the step acts only at an accumulation boundary, which Kiln sets
+    from `sync_gradients`); `optimizer.step()` and `zero_grad()` only record what the engine did;
+    gradient clipping is the engine's, configured by `gradient_clipping`.
+    """
+
+    name = "deepspeed"
+    distributed_type = DistributedType.DEEPSPEED
+    sharded_checkpoints = True
+    owns_backward = True
+
+    def __init__(self, plugin: DeepSpeedPlugin, mixed_precision: str, gradient_accumulation_steps: int) -> None:
+        self.deepspeed = import_deepspeed()
+        self.plugin = plugin
+        self.mixed_precision = mixed_precision
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.engine: Any = None
+        self._call_optimizers: list[torch.optim.Optimizer] = []
+        self._micro_batch_size: int | None = None
+        self._engine_optimizer: torch.optim.Optimizer | None = None
+
+    @property
+    def zero_stage(self) -> int:
+        config = self.plugin.hf_ds_config or {}
+        stage = config.get("zero_optimization", {}).get("stage", "auto")
+        return self.plugin.zero_stage if stage == "auto" and self.plugin.zero_stage is not None else \
+            (2 if stage == "auto" else int(stage))
+
+    def check_compile(self, dynamo_plugin: Any) -> None:
+        if self.zero_stage != 3 or dynamo_plugin is None or not dynamo_plugin.enabled:
+            return
+        if dynamo_plugin.fullgraph and not dynamo_plugin.use_regional_compilation:
+            raise ValueError("ZeRO-3 gathers parameters in hooks around submodules, which one whole-model graph "
+                             "cannot hold: use regional compilation (use_regional_compilation=True) or fullgraph=False")
+
+    def begin_prepare(self, objects: tuple[Any, ...]) -> None:
+        """DeepSpeed builds its engine from the model and optimizer together, and its config wants
+        the batch size: remember what this prepare() call holds."""
+        self._call_optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+        for obj in objects:
+            if isinstance(obj, torch.utils.data.DataLoader) and obj.batch_size is not None:
+                self._micro_batch_size = self._micro_batch_size or obj.batch_size
+
+    def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
+        if self.engine is not None:
+            raise ValueError("DeepSpeed trains one model per Accelerator, and one was already prepared")
+        params = {id(p) for p in model.parameters()}
+        owned = [opt for opt in self._call_optimizers
+                 if any(id(p) in params for group in opt.param_groups for p in group["params"])]
+        if len(owned) != 1:
+            raise ValueError("with DeepSpeed, pass the model and its one optimizer to the same prepare() call "
+                             f"(found {len(owned)} optimizer(s) for this model): the engine is built from both")
+        config = build_config(self.plugin, mixed_precision=self.mixed_precision,
+                              gradient_accumulation_steps=self.gradient_accumulation_steps,
+                              micro_batch_size=self._micro_batch_size)
+        if config["zero_optimization"]["stage"] == 3 and block_paths:
+            # ZeRO-3 gathers parameters in compiler-disabled hooks on every submodule, which would
+            # break each compiled block into pieces (deepspeed 0.19). As leaf modules, whole blocks
+            # are gathered by one hook that runs outside the compiled forward.
+            from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_name
+
+            set_z3_leaf_modules_by_name(model, block_paths)
+        engine, _, _, _ = self.deepspeed.initialize(model=model, optimizer=owned[0], config=config)
+        self.engine = engine
+        self._engine_optimizer = owned[0]
+        return engine
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if model is self.engine and self.engine is not None else model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState,
+                       scaler: torch.amp.GradScaler | None,
+                       on_step: Callable[[], None] | None) -> PreparedOptimizer:
+        if self.engine is None or optimizer is not self._engine_optimizer:
+            raise ValueError("with DeepSpeed, prepare the optimizer together with its model in one prepare() call")
+        return EngineOptimizer(optimizer, gradient_state, self.engine, on_step)
+
+    def backward(self, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:
+        if self.engine is None:
+            raise RuntimeError("backward() before a model was prepared with DeepSpeed")
+        self.engine.set_gradient_accumulation_boundary(sync_gradients)
+        self.engine.backward(loss, **kwargs)  # divides by the accumulation steps itself
+        self.engine.step()  # reduces, clips and steps only at the boundary set above
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor | None:
+        """The engine clipped inside its step (in `backward`); check the user asked for the same norm."""
+        configured = self.engine.gradient_clipping() if self.engine is not None else 0.0
+        if not math.isclose(configured, float(max_norm)):
+            raise ValueError(f"DeepSpeed clips gradients inside its step with gradient_clipping={configured}; "
+                             f"clip_grad_norm_ asked for {max_norm}. Set DeepSpeedPlugin(gradient_clipping={max_norm}) "
+                             "(or `kiln config --gradient_clipping`) so the engine clips to that norm")
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else torch.as_tensor(float(norm))
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """fp32 weights under the plain names on every process: the optimizer's master copy where
+        there is one, else the module's; a collective under ZeRO-3 (call it on every process)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        module = self.unwrap(model)
+        by_id: dict[int, torch.Tensor] = {}
+        for _, param in module.named_parameters():  # the same order on every process
+            full = safe_get_full_fp32_param(param)
+            if full is None:
+                full = self._gathered(param)
+            by_id[id(param)] = full.detach().to("cpu", copy=True)
+        return {name: by_id.get(id(value), value.detach().cpu())
+                for name, value in module.state_dict(keep_vars=True).items()}
+
+    def _gathered(self, param: nn.Parameter) -> torch.Tensor:
+        if not hasattr(param, "ds_id"):
+            return param.data
+        with self.deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.data.clone()
+
+    def save_sharded(self, folder: Path, index: int, model: nn.Module,
+                     optimizers: list[torch.optim.Optimizer]) -> str:
+        name = f"sharded_model_{index}"
+        self.engine.save_checkpoint(str(folder), tag=name, save_latest=False)
+        return name
+
+    def load_sharded(self, folder: Path, index: int, model: nn.Module,
+                     optimizers: list[torch.optim.Optimizer]) -> None:
+        path, _ = self.engine.load_checkpoint(str(folder), tag=f"sharded_model_{index}",
+                                              load_optimizer_states=True, load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint sharded_model_{index} in {folder}")
+
+
+class EngineOptimizer(PreparedOptimizer):
+    """The optimizer handed back under DeepSpeed: the engine already stepped in `backward`, so
+    `step` records whether it applied (fp16 overflow skips) and `zero_grad` has nothing to do."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, gradient_state: GradientState, engine: Any,
+                 on_step: Callable[[], None] | None) -> None:
+        super().__init__(optimizer, gradient_state, scaler=None, on_step=on_step)
+        self.engine = engine
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the engine zeroes gradients after each of its steps
+
+    def unscale_gradients(self) -> None:
+        pass  # the engine unscales fp16 gradients itself
+
+    def step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise ValueError("optimizer.step(closure) is not supported with DeepSpeed: the engine steps in backward()")
+        if not self.gradient_state.sync_gradients:
+            return None
+        self.step_was_skipped = not self.engine.was_step_applied()
+        if self.on_step is not None:
+            self.on_step()
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.engine.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.engine.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({self.optimizer!r})"
