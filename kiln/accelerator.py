@@ -61,7 +61,7 @@ class Accelerator(ProcessAPI):
         self.state = ProcessState(cpu=cpu or _env_flag("KILN_USE_CPU"))
         self.device_placement = device_placement
         self.precision = Precision(mixed_precision or os.environ.get("KILN_MIXED_PRECISION"), self.device)
-        self.gradient_state = GradientState(gradient_accumulation_steps)
+        self.gradient_state = GradientState(_accumulation_steps(gradient_accumulation_steps, deepspeed_plugin))
         self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.dataloader_config = dataloader_config or DataLoaderConfiguration()
@@ -455,6 +455,17 @@ def _choose_dynamo_plugin(plugin: TorchDynamoPlugin | None, backend: str | None)
     if backend is None or str(backend).strip().lower() in DISABLED_BACKENDS:
         return None
     return TorchDynamoPlugin(backend=backend)
+
+
+def _accumulation_steps(given: int, deepspeed_plugin: DeepSpeedPlugin | None) -> int:
+    """The Accelerator's accumulation steps, or DeepSpeedPlugin's when only that was set (as in Accelerate)."""
+    planned = deepspeed_plugin.gradient_accumulation_steps if deepspeed_plugin is not None else None
+    if planned is None or planned == given:
+        return given
+    if given != 1:
+        raise ValueError(f"gradient_accumulation_steps={given}, but DeepSpeedPlugin(gradient_accumulation_steps="
+                         f"{planned}); set it in one place")
+    return planned
 
 
 def _env_flag(name: str) -> bool:

@@ -41,8 +41,9 @@ class DeepSpeedPlugin:
     """DeepSpeed settings; anything left None comes from the config or from the Accelerator.
 
     hf_ds_config: a DeepSpeed config as a dict or the path of a JSON file ("auto" values are
-    filled by Kiln). zero_stage: 0-3 (default 2). gradient_clipping: max gradient norm, applied by
-    the engine inside its step. offload_optimizer_device / offload_param_device: "none" or "cpu"
+    filled by Kiln). zero_stage: 0-3 (default 2). gradient_accumulation_steps: used when the
+    Accelerator's is left at 1. gradient_clipping: max gradient norm, applied by the engine inside
+    its step. offload_optimizer_device / offload_param_device: "none" or "cpu"
     (parameters only with stage 3).
 
     >>> Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_clipping=1.0))
@@ -50,6 +51,7 @@ class DeepSpeedPlugin:
 
     hf_ds_config: dict | str | os.PathLike | None = None
     zero_stage: int | None = None
+    gradient_accumulation_steps: int | None = None
     gradient_clipping: float | None = None
     offload_optimizer_device: str | None = None
     offload_param_device: str | None = None
@@ -63,6 +65,9 @@ class DeepSpeedPlugin:
             if isinstance(self.zero_stage, bool) or int(self.zero_stage) != self.zero_stage or not 0 <= self.zero_stage <= 3:
                 raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
             self.zero_stage = int(self.zero_stage)
+        steps = self.gradient_accumulation_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"gradient_accumulation_steps must be a positive int, got {steps!r}")
         if self.gradient_clipping is not None:
             value = float(self.gradient_clipping)
             if not math.isfinite(value) or value < 0:

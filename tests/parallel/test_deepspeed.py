@@ -112,3 +112,13 @@ def test_the_engine_needs_the_model_and_its_optimizer_in_one_prepare_call():
         strategy.wrap_model(model, [])
     with pytest.raises(ValueError, match="together with its model"):
         strategy.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), GradientState(), None, None)
+
+
+def test_accumulation_steps_of_the_plugin_are_used_when_the_accelerator_leaves_them_at_1():
+    with pytest.warns(UserWarning, match="single process"):
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(gradient_accumulation_steps=4))
+    assert accelerator.gradient_accumulation_steps == 4
+    with pytest.raises(ValueError, match="set it in one place"):
+        Accelerator(gradient_accumulation_steps=2, deepspeed_plugin=DeepSpeedPlugin(gradient_accumulation_steps=4))
+    with pytest.raises(ValueError, match="positive int"):
+        DeepSpeedPlugin(gradient_accumulation_steps=0)
