@@ -30,14 +30,9 @@ printed last.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from compile_bench import busy_cores, check_backend, cpu_name, run_child  # noqa: E402  (same folder, same conventions)
+from compile_bench import (check_backend, cpu_name, load_warning, progress_error, run_child,  # noqa: E402
+                           run_script_row, write_outputs)
 
 ROWS = {  # name: (dynamic, buckets)
     "a": (False, False),
@@ -231,26 +227,7 @@ def child_main(spec_json: str) -> int:
 
 def run_row(name: str, config: dict[str, Any]) -> dict[str, Any]:
     """Measure one row in a fresh interpreter with an empty compiler cache, deleted afterwards."""
-    spec = {"row": name, "config": config}
-    busy = busy_cores() if config["device"] == "cpu" else None
-    cache = Path(tempfile.mkdtemp(prefix="kiln_bucket_bench_cache_"))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                              capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        row = json.loads(lines[-1]) if lines else dict(spec, error=f"no result line (exit {proc.returncode})")
-        if proc.returncode != 0:
-            row.setdefault("error", f"child exited with {proc.returncode}")
-            row["stderr_tail"] = proc.stderr[-3000:]
-    except subprocess.TimeoutExpired:
-        row = dict(spec, error=f"timed out after {CHILD_TIMEOUT_S} s")
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-    row["process_s"] = round(time.perf_counter() - start, 1)
-    row["busy_cores_before"] = busy
-    return row
+    return run_script_row(Path(__file__), {"row": name, "config": config}, config["device"])
 
 
 def results_table(rows: list[dict[str, Any]]) -> str:
@@ -273,9 +250,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     """Write the run's JSON lines and markdown table; return the text to print last."""
-    out.mkdir(parents=True, exist_ok=True)
     stem = out / f"bucket_bench_{config['device']}"
-    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     any_row = next((r for r in rows if "torch" in r), {})
     text = (
         f"Llama-style LM, {config['layers']} layers x {config['hidden']} wide, regional compile, backend "
@@ -293,11 +268,7 @@ def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path)
         if "error" not in r and r["eager_calls"]:
             text += (f"\nRow {r['row']} hit Dynamo's recompile limit ({r['recompile_limit']}): {r['eager_calls']} of "
                      f"{r['block_invocations']} block calls ran eagerly, without compiled code.\n")
-    busy = max((r.get("busy_cores_before") or 0) for r in rows)
-    if busy > 0.25:
-        text += f"\nWarning: other processes kept up to {busy} cores busy during this run; timings are unreliable.\n"
-    stem.with_suffix(".md").write_text(text)
-    return f"wrote {stem}.jsonl and {stem}.md\n\n{text}"
+    return write_outputs(stem, rows, text + load_warning(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({args.backend}, {device}) ...", end=" ", flush=True)
         row = run_row(name, config)
         rows.append(row)
-        if "error" in row:
-            print(f"ERROR after {row['process_s']} s: {row['error']}\n{row.get('stderr_tail', '')}", flush=True)
+        if progress_error(row):
+            print(progress_error(row), flush=True)
         else:
             print(f"{row['graphs']} graphs, {row['eager_calls']} eager calls, epoch {row['epoch_s']:.1f} s, "
                   f"process {row['process_s']} s", flush=True)

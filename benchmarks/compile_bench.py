@@ -19,12 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +28,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 # Measure the kiln of this checkout, not whichever kiln happens to be installed.
 sys.path.insert(0, str(HERE.parent))
+
+from kiln.bench.measure import cpu_name  # noqa: E402
+from kiln.bench.report import pyplot  # noqa: E402
+from kiln.bench.run import empty_compiler_caches, run_measuring_process  # noqa: E402
 
 METHODS = ("eager", "full", "regional")
 WORKLOADS = ("inference", "train")
@@ -213,56 +213,49 @@ def check_backend(backend: str) -> None:
         raise SystemExit(f"--backend {backend!r} is unknown; choose one of: {', '.join(choices)}")
 
 
-def busy_cores(seconds: float = 0.5) -> float | None:
-    """Cores kept busy by other processes over a short sample (Linux only; None elsewhere).
-
-    Why: with torch's default of one OpenMP thread per core, one core busy elsewhere made a
-    2-thread matmul about 60x slower on a 2-core machine (torch 2.13); no median hides that.
-    """
-    def sample() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields), fields[3] + fields[4]  # all, idle + iowait
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(seconds)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    busy = 1 - (idle1 - idle0) / max(1, total1 - total0)
-    return round(busy * (os.cpu_count() or 1), 2)
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [l.split(":", 1)[1].strip() for l in cpuinfo.read_text().splitlines()
-             if l.startswith("model name")] if cpuinfo.exists() else []
-    return names[0] if names else platform.processor() or platform.machine()
-
-
 # ---------------------------------------------------------------- parent: one subprocess per row
 
 def run_row(method: str, workload: str, config: dict[str, Any]) -> dict[str, Any]:
     """Measure one row in a fresh interpreter with an empty compiler cache, deleted afterwards."""
     spec = {"method": method, "workload": workload, "config": config}
-    busy = busy_cores() if config["device"] == "cpu" else None
-    cache = Path(tempfile.mkdtemp(prefix="kiln_bench_cache_"))
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"))
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                              capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
-        row = _last_json_line(proc.stdout) or dict(spec, error=f"no result line (exit {proc.returncode})")
-        if proc.returncode != 0:
-            row.setdefault("error", f"child exited with {proc.returncode}")
-            row["stderr_tail"] = proc.stderr[-3000:]
-    except subprocess.TimeoutExpired:
-        row = dict(spec, error=f"timed out after {CHILD_TIMEOUT_S} s")
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
-    row["process_s"] = round(time.perf_counter() - start, 1)
-    row["busy_cores_before"] = busy
-    return row
+    return run_script_row(Path(__file__), spec, config["device"])
+
+
+def run_script_row(script: Path, spec: dict[str, Any], device: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `script --child spec` in a fresh interpreter: with empty compiler caches, or in `env`
+    when given (a benchmark that brings its own cache). Shared by the benchmarks beside this one."""
+    command = [sys.executable, str(script.resolve()), "--child", json.dumps(spec)]
+    if env is not None:
+        return run_measuring_process(command, spec, env=env, timeout_s=CHILD_TIMEOUT_S, device=device,
+                                     parse=_last_json_line)
+    with empty_compiler_caches() as caches:
+        return run_measuring_process(command, spec, env=dict(os.environ, **caches), timeout_s=CHILD_TIMEOUT_S,
+                                     device=device, parse=_last_json_line)
+
+
+def write_outputs(stem: Path, rows: list[dict[str, Any]], text: str, plot_rows: Any = None) -> str:
+    """Write `stem`.jsonl (every row), `stem`.md (`text`) and, given a plotting function, `stem`.png;
+    return what to print last."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stem.with_suffix(".md").write_text(text)
+    if plot_rows is not None and not plot_rows(rows, stem.with_suffix(".png")):
+        print("matplotlib is not installed: plot skipped (pip install matplotlib to get one)")
+    return f"wrote {stem}.jsonl and {stem}.md\n\n{text}"
+
+
+def load_warning(rows: list[dict[str, Any]]) -> str:
+    busy = max((r.get("busy_cores_before") or 0) for r in rows)
+    if busy > 0.25:
+        return f"\nWarning: other processes kept up to {busy} cores busy during this run; timings are unreliable.\n"
+    return ""
+
+
+def progress_error(row: dict[str, Any]) -> str | None:
+    """The line to print for a row that failed, else None."""
+    if "error" not in row:
+        return None
+    return f"ERROR after {row['process_s']} s: {row['error']}\n{row.get('stderr_tail', '')}"
 
 
 def _last_json_line(stdout: str) -> dict[str, Any] | None:
@@ -291,12 +284,8 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     """Bar charts of compile seconds and steady ms per method and workload; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     ok = [r for r in rows if "error" not in r]
     methods = list(dict.fromkeys(r["method"] for r in ok))
@@ -319,21 +308,24 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     """Write the run's JSON lines, markdown table and plot; return the text to print last."""
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"compile_bench_{config['device']}"
-    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     any_row = next((r for r in rows if "torch" in r), {})
     text = (f"Llama-style LM, {config['layers']} layers x {config['hidden']} wide, batch {config['batch']} x "
             f"{config['seq']}, {config['dtype']}, backend {config['backend']}, median of {config['steps']} steps; "
             f"torch {any_row.get('torch', '?')}, {any_row.get('device_name', config['device'])}, "
-            f"{any_row.get('threads', '?')} threads.\n\n{results_table(rows)}\n")
-    busy = max((r.get("busy_cores_before") or 0) for r in rows)
-    if busy > 0.25:
-        text += f"\nWarning: other processes kept up to {busy} cores busy during this run; timings are unreliable.\n"
-    stem.with_suffix(".md").write_text(text)
-    if not plot(rows, stem.with_suffix(".png")):
-        print("matplotlib is not installed: plot skipped (pip install matplotlib to get one)")
-    return f"wrote {stem}.jsonl and {stem}.md\n\n{text}"
+            f"{any_row.get('threads', '?')} threads.\n\n{results_table(rows)}\n{load_warning(rows)}")
+    return write_outputs(out / f"compile_bench_{config['device']}", rows, text, plot)
+
+
+def model_config(args: argparse.Namespace, device: str) -> dict[str, Any]:
+    """The model and run settings every row of a benchmark shares."""
+    return {
+        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
+        "intermediate": args.intermediate or 2 * args.hidden, "vocab": args.vocab, "batch": args.batch,
+        "seq": args.seq, "steps": args.steps, "seed": args.seed, "threads": args.threads,
+        "backend": args.backend, "device": device,
+        # bf16 on GPU as in DESIGN.md's H200 numbers; fp32 on CPU, where bf16 kernels are slow.
+        "dtype": "bfloat16" if device == "cuda" else "float32",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,14 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
     check_backend(args.backend)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = {
-        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-        "intermediate": args.intermediate or 2 * args.hidden, "vocab": args.vocab, "batch": args.batch,
-        "seq": args.seq, "steps": args.steps, "seed": args.seed, "threads": args.threads,
-        "backend": args.backend, "device": device,
-        # bf16 on GPU as in DESIGN.md's H200 numbers; fp32 on CPU, where bf16 kernels are slow.
-        "dtype": "bfloat16" if device == "cuda" else "float32",
-    }
+    config = model_config(args, device)
     plan = [(m, w) for w in args.workloads for m in args.methods]
     rows = []
     for i, (method, workload) in enumerate(plan, 1):
@@ -360,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         if (row["busy_cores_before"] or 0) > 0.25:
             print(f"[other processes kept {row['busy_cores_before']} cores busy]", end=" ", flush=True)
-        if "error" in row:
-            print(f"ERROR after {row['process_s']} s: {row['error']}\n{row.get('stderr_tail', '')}", flush=True)
+        if progress_error(row):
+            print(progress_error(row), flush=True)
         else:
             print(f"compile {row['compile_s']:.1f} s, steady {row['steady_ms']:.2f} ms, "
                   f"{row['graphs']} graphs, process {row['process_s']} s", flush=True)

@@ -22,11 +22,9 @@ is printed last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from compile_bench import (_last_json_line, build_model, busy_cores, check_backend,  # noqa: E402
-                           peak_memory, run_child)
+from compile_bench import (build_model, check_backend, model_config, peak_memory, progress_error,  # noqa: E402
+                           pyplot, run_child, run_script_row, write_outputs)
 
 ROWS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm")
 CHILD_TIMEOUT_S = 1800
@@ -166,24 +164,12 @@ def prepare_folder(row: str, cold: Path, target: Path) -> None:
 
 def run_row(row: str, config: dict[str, Any], folder: Path) -> dict[str, Any]:
     """Run one row in a fresh interpreter with KILN_COMPILE_CACHE_DIR=folder and no other cache setting."""
-    spec = {"row": row, "config": config}
-    busy = busy_cores() if config["device"] == "cpu" else None
     env = {k: v for k, v in os.environ.items()
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") and not k.startswith("KILN_")}
     env["KILN_COMPILE_CACHE_DIR"] = str(folder)
     start = time.perf_counter()
     cpu_before = _cpu_seconds()
-    try:
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-                              capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
-        result = _last_json_line(proc.stdout) or dict(spec, error=f"no result line (exit {proc.returncode})")
-        if proc.returncode != 0:
-            result.setdefault("error", f"child exited with {proc.returncode}")
-            result["stderr_tail"] = proc.stderr[-3000:]
-    except subprocess.TimeoutExpired:
-        result = dict(spec, error=f"timed out after {CHILD_TIMEOUT_S} s")
-    result["process_s"] = round(time.perf_counter() - start, 1)
-    result["busy_cores_before"] = busy
+    result = run_script_row(Path(__file__), {"row": row, "config": config}, config["device"], env=env)
     result["other_cores_during"] = _other_cores(cpu_before, _cpu_seconds(), time.perf_counter() - start)
     return result
 
@@ -267,12 +253,8 @@ def ratios_text(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     """Bars of load + first step per row; False without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     ok = [r for r in rows if "error" not in r]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -286,9 +268,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"warm_start_bench_{config['device']}"
-    stem.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    """Write the run's JSON lines, markdown table and plot; return the text to print last."""
     any_row = next((r for r in rows if "torch" in r), {})
     text = (f"Warm start of a regional-compiled training step (AdamW, eager optimizer): Llama-style LM, "
             f"{config['layers']} layers x {config['hidden']} wide, batch {config['batch']} x {config['seq']}, "
@@ -301,10 +281,7 @@ def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path)
     busy = max(max(r.get("busy_cores_before") or 0, r.get("other_cores_during") or 0) for r in rows)
     text += (f"\nLoad: other processes kept up to {busy} of {os.cpu_count()} cores busy before or during a row"
              f"{'; timings are unreliable' if busy > 0.25 else ''}.\n")
-    stem.with_suffix(".md").write_text(text)
-    if not plot(rows, stem.with_suffix(".png")):
-        print("matplotlib is not installed: plot skipped (pip install matplotlib to get one)")
-    return f"wrote {stem}.jsonl and {stem}.md\n\n{text}"
+    return write_outputs(out / f"warm_start_bench_{config['device']}", rows, text, plot)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,13 +292,7 @@ def main(argv: list[str] | None = None) -> int:
 
     check_backend(args.backend)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = {
-        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-        "intermediate": args.intermediate or 2 * args.hidden, "vocab": args.vocab, "batch": args.batch,
-        "seq": args.seq, "steps": args.steps, "seed": args.seed, "threads": args.threads,
-        "backend": args.backend, "device": device,
-        "dtype": "bfloat16" if device == "cuda" else "float32",  # as compile_bench
-    }
+    config = model_config(args, device)
     base = Path(tempfile.mkdtemp(prefix="kiln_warm_bench_"))
     plan = [(run, row) for run in range(1, args.repeats + 1) for row in ROWS]
     rows = []
@@ -338,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
             result = run_row(row, config, folder)
             result["run"] = run
             rows.append(result)
-            if "error" in result:
-                print(f"ERROR after {result['process_s']} s: {result['error']}\n{result.get('stderr_tail', '')}")
+            if progress_error(result):
+                print(progress_error(result))
                 continue
             print(f"entry loaded: {result['hit']}, load + first step {result['first_s']:.2f} s, "
                   f"process {result['process_s']} s, other cores busy {result['busy_cores_before']} before, "

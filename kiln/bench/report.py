@@ -177,15 +177,23 @@ def _bar_style(label: str) -> dict[str, Any]:
     return {"color": f"C{index}", "hatch": "//" if " [" in label else None}
 
 
-def plot(rows: list[dict[str, Any]], stem: Path) -> list[Path]:
-    """`<stem>_compile.png` (compile s per method and case) and `<stem>_speedup.png` (speedup over
-    eager per method, model and batch size); [] without matplotlib."""
+def pyplot() -> Any:
+    """matplotlib.pyplot drawing to files (the Agg backend), or None when matplotlib is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(rows: list[dict[str, Any]], stem: Path) -> list[Path]:
+    """`<stem>_compile.png` (compile s per method and case) and `<stem>_speedup.png` (speedup over
+    eager per method, model and batch size); [] without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return []
     done = sorted(_ok(rows), key=_sort_key)
     if not done:

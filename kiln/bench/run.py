@@ -5,6 +5,7 @@ Depends on the standard library and kiln.bench.plan; never imports torch (the ch
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from kiln.bench.plan import Row
 
@@ -50,26 +51,40 @@ def run_rows(
 
 def run_row(row: Row, timeout_s: float = 1800) -> dict[str, Any]:
     """Measure one row in a fresh interpreter with empty Inductor and Triton caches, deleted after."""
-    busy = busy_cores() if row.device == "cpu" else None
-    cache = Path(tempfile.mkdtemp(prefix="kiln_bench_cache_"))
-    env = dict(os.environ)
-    env.update(
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton"),
-        # The child measures the kiln this process runs, installed or not.
-        PYTHONPATH=os.pathsep.join(p for p in (str(KILN_ROOT), env.get("PYTHONPATH")) if p),
-    )
     command = [sys.executable, "-m", "kiln.bench.measure", json.dumps(row.as_dict())]
+    with empty_compiler_caches() as caches:
+        env = dict(os.environ, **caches)
+        # The child measures the kiln this process runs, installed or not.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(KILN_ROOT), os.environ.get("PYTHONPATH")) if p)
+        return run_measuring_process(command, row.as_dict(), env=env, timeout_s=timeout_s, device=row.device)
+
+
+@contextlib.contextmanager
+def empty_compiler_caches(prefix: str = "kiln_bench_cache_") -> Iterator[dict[str, str]]:
+    """Environment entries pointing Inductor and Triton at fresh folders, deleted afterwards, so no
+    on-disk cache fakes a warm start."""
+    cache = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"), "TRITON_CACHE_DIR": str(cache / "triton")}
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def run_measuring_process(command: list[str], fallback: dict[str, Any], *, env: dict[str, str], timeout_s: float,
+                          device: str, parse: Callable[[str], dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """Run one measuring child: its result row (read from stdout by `parse`), or `fallback` with
+    the reason there is none; adds the process's wall seconds and the load other processes put on
+    the CPU just before (shared by `kiln bench` and the scripts in benchmarks/)."""
+    busy = busy_cores() if device == "cpu" else None
     start = time.perf_counter()
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout_s)
-        result = parse_result(proc.stdout) or dict(row.as_dict(), error=f"no result line (exit {proc.returncode})")
+        result = (parse or parse_result)(proc.stdout) or dict(fallback, error=f"no result line (exit {proc.returncode})")
         if proc.returncode != 0:
             result.setdefault("error", f"child exited with {proc.returncode}")
             result["stderr_tail"] = proc.stderr[-3000:]
     except subprocess.TimeoutExpired:
-        result = dict(row.as_dict(), error=f"timed out after {timeout_s:.0f} s")
-    finally:
-        shutil.rmtree(cache, ignore_errors=True)
+        result = dict(fallback, error=f"timed out after {timeout_s:.0f} s")
     result["process_s"] = round(time.perf_counter() - start, 1)
     result["busy_cores_before"] = busy
     return result
