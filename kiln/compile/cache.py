@@ -1,7 +1,7 @@
 """Warm starts: keep what torch.compile built on disk, so the next run of the same job skips the cold compile.
 
-Depends on torch and kiln.plugins (its boolean parser) only; never on the facade, a strategy or the
-rest of the compile package.
+Depends on torch, kiln.plugins (its boolean parser) and kiln.compile.cache_key only; never on the
+facade, a strategy or the rest of the compile package.
 
 Two things survive a process, both under one folder (default ~/.cache/kiln/compile):
 - `inductor/`: Inductor's own disk cache (FX graphs, AOTAutograd entries, built C++/Triton kernels),
@@ -31,6 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from kiln.compile.cache_key import canonical_json, job_key, triton_version
 from kiln.plugins import parse_bool
 
 MAGIC = b"KILN-COMPILE-CACHE\n"
@@ -161,21 +162,8 @@ class CompileCache:
         the model's structure (module classes, parameter and buffer names, shapes and dtypes).
         The same job gives the same key in every process.
         """
-        device = torch.device(device)
-        settings = normalize_compile_settings(compile_kwargs)
-        digest = hashlib.sha256()
-        environment = {
-            "format": FORMAT_VERSION, "torch": torch.__version__, "triton": triton_version(),
-            "python": f"{platform.python_implementation()} {platform.python_version()}",
-            "machine": platform.machine(), "device_type": device.type, "device_name": device_name(device),
-            "settings": settings,
-        }
-        digest.update(_canonical_json(environment).encode())
-        for line in model_structure(model):
-            digest.update(line.encode())
-            digest.update(b"\n")
-        key = digest.hexdigest()
-        self._descriptions[key] = describe(model, settings, device)
+        key, description = job_key(model, compile_kwargs, device, FORMAT_VERSION)
+        self._descriptions[key] = description
         return key
 
     def entry_path(self, key: str) -> Path:
@@ -251,7 +239,7 @@ class CompileCache:
             "artifacts": {kind: len(keys) for kind, keys in artifacts.items()}, "artifacts_sha256": contents,
         }
         try:
-            write_atomically(path, MAGIC + _canonical_json(header).encode() + b"\n" + payload)
+            write_atomically(path, MAGIC + canonical_json(header).encode() + b"\n" + payload)
         except OSError as exc:
             warnings.warn(f"compile cache entry {path} not written: {exc}", KilnCacheWarning, stacklevel=2)
             return False
@@ -391,107 +379,3 @@ def _set_by_kiln_or_torch(value: str, ours: Path) -> bool:
     except ImportError:
         return False
     return value == os.path.abspath(default_cache_dir())
-
-
-# ---------------------------------------------------------------- what the key is made of
-
-def triton_version() -> str:
-    try:
-        import triton
-    except ImportError:
-        return "none"
-    return getattr(triton, "__version__", "unknown")
-
-
-def device_name(device: torch.device) -> str:
-    """The accelerator's name (CUDA: name and compute capability) or, on a CPU, the CPU model."""
-    if device.type == "cuda" and torch.cuda.is_available():
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        major, minor = torch.cuda.get_device_capability(index)
-        return f"{torch.cuda.get_device_name(index)} sm{major}{minor}"
-    if device.type == "cpu":
-        return cpu_model()
-    return f"{device.type} on {platform.machine()}"
-
-
-def cpu_model() -> str:
-    """The CPU model name: it decides which vector instructions Inductor's C++ kernels use."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def normalize_compile_settings(compile_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The compile settings with torch's defaults filled in, as plain JSON values.
-
-    Defaults are filled so that `{}` and `{"backend": "inductor", "mode": "default"}` give one key.
-    """
-    settings = {"backend": "inductor", "mode": "default", "options": {}, "fullgraph": False,
-                "dynamic": None, "precision": "no"}
-    for name, value in compile_kwargs.items():
-        if value is not None or name == "dynamic":
-            settings[name] = value
-    if settings["mode"] is None:
-        settings["mode"] = "default"
-    return {name: _stable(value) for name, value in settings.items()}
-
-
-def model_structure(model: nn.Module) -> Iterator[str]:
-    """One line per module (path and class), parameter and buffer (name, shape, dtype)."""
-    for name, module in model.named_modules():
-        yield f"module {name} {_qualified_name(type(module))}"
-    for name, param in model.named_parameters():
-        yield f"param {name} {tuple(param.shape)} {param.dtype} grad={param.requires_grad}"
-    for name, buffer in model.named_buffers():
-        yield f"buffer {name} {tuple(buffer.shape)} {buffer.dtype}"
-
-
-def describe(model: nn.Module, settings: dict[str, Any], device: torch.device) -> str:
-    """A short human line for `kiln cache ls`: what model, how compiled, where."""
-    params = sum(p.numel() for p in model.parameters())
-    text = (f"{type(model).__name__} ({_human_count(params)} params), backend={settings['backend']}, "
-            f"mode={settings['mode']}")
-    for name in ("fullgraph", "dynamic"):
-        if settings[name]:
-            text += f", {name}={settings[name]}"
-    if settings["precision"] != "no":
-        text += f", precision={settings['precision']}"
-    return f"{text}, {device.type}"
-
-
-def _human_count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
-
-
-def _qualified_name(obj: Any) -> str:
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
-def _stable(value: Any) -> Any:
-    """A JSON value that is the same in every process: no ids, no memory addresses."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _stable(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [_stable(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted(str(_stable(v)) for v in value)
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
-        return _qualified_name(value)  # a backend function or class, by name
-    if callable(value):
-        return _qualified_name(type(value))  # a backend object: by its class
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", f"{_qualified_name(type(value))}:{value!r}")
-
-
-def _canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import kiln.compile.cache as cache_module
+import kiln.compile.cache_key as cache_key_module
 from kiln.compile.cache import (ENTRY_SUFFIX, INDUCTOR_ENV, MAGIC, CompileCache, CorruptEntryError,
                                 KilnCacheWarning, read_entry)
 from toy_models import EncoderDecoder
@@ -342,7 +343,7 @@ def test_key_changes_with_torch_and_triton_versions(monkeypatch):
     assert _key() != base
     monkeypatch.setattr(torch, "__version__", real_version)
     assert _key() == base
-    monkeypatch.setattr(cache_module, "triton_version", lambda: "9.9.9")
+    monkeypatch.setattr(cache_key_module, "triton_version", lambda: "9.9.9")
     assert _key() != base
 
 
@@ -355,7 +356,7 @@ def test_key_names_a_callable_backend_by_qualified_name():
 
     assert _key(backend=my_backend) == _key(backend=my_backend)
     assert len({_key(backend=my_backend), _key(backend=other_backend), _key()}) == 3
-    assert "0x" not in json.dumps(cache_module.normalize_compile_settings({"backend": my_backend}))
+    assert "0x" not in json.dumps(cache_key_module.normalize_compile_settings({"backend": my_backend}))
 
 
 # ----- settings from arguments and the environment -----------------------------------------
