@@ -34,10 +34,25 @@ def run_worker(tmp_path, processes, *args):
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def shared_run(tmp_path_factory):
+    """run_worker for runs that write nothing but their result: the same arguments run once per
+    module (the single-process baselines are shared by every strategy's comparison)."""
+    results = {}
+
+    def run(processes, *args):
+        key = (processes, *args)
+        if key not in results:
+            results[key] = run_worker(tmp_path_factory.mktemp("run"), processes, *args)
+        return json.loads(json.dumps(results[key]))  # a copy: no test changes another's
+
+    return run
+
+
 @pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_ddp_regional_compile_matches_one_process_on_the_same_global_batch(tmp_path, precision):
-    single = run_worker(tmp_path, 1, "--precision", precision)
-    double = run_worker(tmp_path, 2, "--precision", precision)
+def test_ddp_regional_compile_matches_one_process_on_the_same_global_batch(shared_run, precision):
+    single = shared_run(1, "--precision", precision)
+    double = shared_run(2, "--precision", precision)
     assert double["processes"] == 2 and double["distributed_type"] == "MULTI_CPU"
     assert len(double["losses"]) == len(single["losses"]) == 2
     tolerance = 1e-5 if precision == "no" else 2e-2
@@ -51,15 +66,16 @@ def test_ddp_regional_compile_matches_one_process_on_the_same_global_batch(tmp_p
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["map-style", "iterable"])
-def test_gather_for_metrics_returns_exactly_the_dataset(tmp_path, stream):
-    result = run_worker(tmp_path, 2, "--eval-samples", "10", *(["--eval-stream"] if stream else []))
+def test_gather_for_metrics_returns_exactly_the_dataset(shared_run, stream):
+    # 10 samples, batches of 3, 2 processes: the last round is filled with 2 repeated samples.
+    result = shared_run(2, "--precision", "no", *(["--eval-stream"] if stream else []))
     assert sorted(result["eval"]) == [float(i) for i in range(10)]
 
 
 @pytest.mark.parametrize("stateful", [False, True])
-def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, stateful):
+def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, shared_run, stateful):
     common = ["--epochs", "2", "--shuffle"] + (["--stateful"] if stateful else [])
-    whole = run_worker(tmp_path, 2, *common)
+    whole = shared_run(2, "--epochs", "2", "--shuffle")  # uninterrupted: the same with or without --stateful
     assert len(whole["losses"]) == 4
     first = run_worker(tmp_path, 2, *common, "--save-at", "1")
     assert (tmp_path / "ckpt/kiln_checkpoint.json").is_file()
@@ -72,8 +88,8 @@ def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, stateful):
 
 
 @pytest.mark.parametrize("precision, checkpointing", [("no", False), ("bf16", True)])
-def test_fsdp2_regional_compile_matches_one_process(tmp_path, precision, checkpointing):
-    single = run_worker(tmp_path, 1, "--precision", precision)
+def test_fsdp2_regional_compile_matches_one_process(tmp_path, shared_run, precision, checkpointing):
+    single = shared_run(1, "--precision", precision)
     extra = ["--activation-checkpointing"] if checkpointing else []
     sharded = run_worker(tmp_path, 2, "--precision", precision, "--fsdp", "--save-model", str(tmp_path / "weights"),
                          *extra)
@@ -103,9 +119,9 @@ def test_fsdp2_sharded_checkpoint_resumes_in_a_fresh_launch(tmp_path):
 
 
 @pytest.mark.parametrize("stage, precision", [(2, "no"), (3, "bf16")])
-def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, stage, precision):
+def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, shared_run, stage, precision):
     pytest.importorskip("deepspeed")
-    single = run_worker(tmp_path, 1, "--precision", precision)
+    single = shared_run(1, "--precision", precision)
     zero = run_worker(tmp_path, 2, "--precision", precision, "--zero-stage", str(stage),
                       "--save-model", str(tmp_path / "weights"))
     assert zero["distributed_type"] == "DEEPSPEED"
