@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO stages 0-3: the engine owns backward, the optimizer step, mixed precision and its
 own checkpoints; Kiln fills the engine's config from the Accelerator's settings.
 
-Depends on torch, kiln.optim and kiln.parallel.base; DeepSpeed itself is imported only when a
+Depends on torch, kiln.optim, kiln.checkpoint and kiln.parallel.base; DeepSpeed itself is imported only when a
 DeepSpeed strategy is built (`pip install kiln[deepspeed]`). The model arrives compiled in place,
 so `engine.module` is the user's module running its compiled blocks (DESIGN.md).
 """
@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kiln.accumulation import GradientState
+from kiln.checkpoint import load_state_dict, save_state_dict
 from kiln.optim import PreparedOptimizer
 from kiln.parallel.base import Strategy
 from kiln.state import DistributedType
@@ -223,8 +224,11 @@ class DeepSpeedStrategy(Strategy):
                 self._micro_batch_size = self._micro_batch_size or obj.batch_size
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # a frozen model (a teacher, a reference): replicated on every process, no engine
         if self.engine is not None:
-            raise ValueError("DeepSpeed trains one model per Accelerator, and one was already prepared")
+            raise ValueError("DeepSpeed trains one model per Accelerator, and one was already prepared "
+                             "(a frozen model, with requires_grad=False everywhere, can be prepared too)")
         params = {id(p) for p in model.parameters()}
         owned = [opt for opt in self._call_optimizers
                  if any(id(p) in params for group in opt.param_groups for p in group["params"])]
@@ -297,15 +301,23 @@ class DeepSpeedStrategy(Strategy):
     def save_sharded(self, folder: Path, index: int, model: nn.Module,
                      optimizers: list[torch.optim.Optimizer]) -> str:
         name = f"sharded_model_{index}"
+        if model is not self.engine:  # a frozen model: its weights, whole, from the main process
+            if torch.distributed.get_rank() == 0:
+                save_state_dict(self.full_state_dict(model), folder / name)
+            return name
         self.engine.save_checkpoint(str(folder), tag=name, save_latest=False)
         return name
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
                      optimizers: list[torch.optim.Optimizer]) -> None:
-        path, _ = self.engine.load_checkpoint(str(folder), tag=f"sharded_model_{index}",
+        name = f"sharded_model_{index}"
+        if model is not self.engine:
+            model.load_state_dict(load_state_dict(folder / name))
+            return
+        path, _ = self.engine.load_checkpoint(str(folder), tag=name,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint sharded_model_{index} in {folder}")
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {name} in {folder}")
 
 
 class EngineOptimizer(PreparedOptimizer):

@@ -118,12 +118,13 @@ def test_fsdp2_sharded_checkpoint_resumes_in_a_fresh_launch(tmp_path):
         assert abs(a - b) < 1e-5, (resumed["losses"], whole["losses"])
 
 
-@pytest.mark.parametrize("stage, precision", [(2, "no"), (3, "bf16")])
-def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, shared_run, stage, precision):
+@pytest.mark.parametrize("stage, precision, teacher", [(2, "no", True), (3, "bf16", False)])
+def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, shared_run, stage, precision, teacher):
     pytest.importorskip("deepspeed")
-    single = shared_run(1, "--precision", precision)
+    extra = ["--teacher"] if teacher else []  # a frozen second model is prepared beside the engine
+    single = shared_run(1, "--precision", precision, *extra)
     zero = run_worker(tmp_path, 2, "--precision", precision, "--zero-stage", str(stage),
-                      "--save-model", str(tmp_path / "weights"))
+                      "--save-model", str(tmp_path / "weights"), *extra)
     assert zero["distributed_type"] == "DEEPSPEED"
     # DeepSpeed's bf16 keeps bf16 weights (fp32 master copies in the optimizer); Kiln's single
     # process autocasts fp32 weights, so the second step differs by ~2% in bf16.
@@ -143,11 +144,12 @@ def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, shared_ru
 
 def test_deepspeed_zero3_checkpoint_resumes_in_a_fresh_launch(tmp_path):
     pytest.importorskip("deepspeed")
-    common = ["--epochs", "2", "--shuffle", "--zero-stage", "3"]
+    common = ["--epochs", "2", "--shuffle", "--zero-stage", "3", "--teacher"]
     whole = run_worker(tmp_path, 2, *common)
     run_worker(tmp_path, 2, *common, "--save-at", "1")
     parts = sorted(p.name for p in (tmp_path / "ckpt/sharded_model_0").iterdir())
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in parts, parts  # each rank wrote its optimizer shard
+    assert (tmp_path / "ckpt/sharded_model_1/model.safetensors").is_file()  # the frozen teacher, whole
     resumed = run_worker(tmp_path, 2, *common, "--resume-from", str(tmp_path / "ckpt"))
     assert len(resumed["losses"]) == 3
     for a, b in zip(resumed["losses"], whole["losses"][1:]):

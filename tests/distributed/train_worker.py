@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--zero-stage", type=int, default=None, help="train with DeepSpeed at this ZeRO stage")
     parser.add_argument("--save-model", default=None)
+    parser.add_argument("--teacher", action="store_true", help="also prepare a frozen model and distil from it")
     parser.add_argument("--poison-step", type=int, default=0,
                         help="put an inf into rank 0's gradients (its shard only) before this optimizer step")
     args = parser.parse_args()
@@ -92,6 +93,10 @@ def main() -> None:
     # Halving the rate each step makes a scheduler that did not reach the optimizer change the losses.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     model, optimizer, loader, eval_loader, scheduler = acc.prepare(model, optimizer, loader, eval_loader, scheduler)
+    teacher = None
+    if args.teacher:  # frozen: every strategy must take it alongside the trained model
+        teacher = Regressor().requires_grad_(False)
+        teacher = acc.prepare(teacher)
     progress = Progress()
     acc.register_for_checkpointing(progress)
     if args.resume_from:
@@ -103,7 +108,12 @@ def main() -> None:
         batches = acc.skip_first_batches(loader, skip) if skip else loader
         for inputs, targets in batches:
             with acc.accumulate(model):
-                loss = model(inputs, targets)["loss"]
+                outputs = model(inputs, targets)
+                loss = outputs["loss"]
+                if teacher is not None:
+                    with torch.no_grad():
+                        hint = teacher(inputs)["prediction"]
+                    loss = loss + 0.1 * torch.nn.functional.mse_loss(outputs["prediction"], hint)
                 acc.backward(loss)
                 window += acc.reduce(loss.detach(), "mean").item() / args.grad_accum
                 if acc.sync_gradients and progress.steps + 1 == args.poison_step and acc.process_index == 0:
