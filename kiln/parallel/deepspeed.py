@@ -203,10 +203,11 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def zero_stage(self) -> int:
-        config = self.plugin.hf_ds_config or {}
-        stage = config.get("zero_optimization", {}).get("stage", "auto")
-        return self.plugin.zero_stage if stage == "auto" and self.plugin.zero_stage is not None else \
-            (2 if stage == "auto" else int(stage))
+        """The stage the engine will use: the config's, else the plugin's, else 2."""
+        stage = (self.plugin.hf_ds_config or {}).get("zero_optimization", {}).get("stage", "auto")
+        if stage != "auto":
+            return int(stage)
+        return self.plugin.zero_stage if self.plugin.zero_stage is not None else 2
 
     def check_compile(self, dynamo_plugin: Any) -> None:
         if self.zero_stage != 3 or dynamo_plugin is None or not dynamo_plugin.enabled:

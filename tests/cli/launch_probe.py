@@ -16,7 +16,8 @@ if mode == "report":
     seen = {k: v for k, v in os.environ.items() if k.startswith("KILN_")}
     record = {"rank": acc.process_index, "world": acc.num_processes, "type": acc.distributed_type.value,
               "precision": acc.mixed_precision, "env": seen,
-              "dynamo": None if acc.dynamo_plugin is None else acc.dynamo_plugin.backend}
+              "dynamo": None if acc.dynamo_plugin is None else acc.dynamo_plugin.backend,
+              "zero_stage": getattr(acc.strategy, "zero_stage", None)}
     with open(f"{out}.{acc.process_index}", "w") as handle:
         json.dump(record, handle)
 elif mode == "die":

@@ -111,18 +111,27 @@ def test_config_asks_when_run_without_flags():
 
 
 @pytest.mark.multiprocess
-def test_every_setting_reaches_every_process(tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_every_setting_reaches_every_process(tmp_path, strategy):
+    if strategy == "deepspeed":
+        pytest.importorskip("deepspeed")
+    settings = {"num_processes": 2, "mixed_precision": "bf16", "dynamo_backend": "aot_eager",
+                "dynamo_use_regional_compilation": True, "distributed_type": strategy}
+    if strategy == "deepspeed":  # the settings Accelerate's DeepSpeed launcher drops
+        (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": "auto"}}))
+        settings.update(zero_stage=3, deepspeed_config_file=str(tmp_path / "ds.json"))
     config = tmp_path / "kiln.yaml"
-    config.write_text(yaml.safe_dump({"num_processes": 2, "mixed_precision": "bf16", "dynamo_backend": "aot_eager",
-                                      "dynamo_use_regional_compilation": True, "distributed_type": "fsdp"}))
+    config.write_text(yaml.safe_dump(settings))
     done = kiln("launch", "--config_file", str(config), "--main_process_port", str(free_port()),
                 str(PROBE), "report", str(tmp_path / "seen"))
     assert done.returncode == 0, done.stderr[-4000:]
     records = [json.loads((tmp_path / f"seen.{rank}").read_text()) for rank in (0, 1)]
     for rank, record in enumerate(records):
-        assert (record["rank"], record["world"], record["type"], record["precision"]) == (rank, 2, "FSDP", "bf16")
+        assert (record["rank"], record["world"], record["type"], record["precision"]) == \
+            (rank, 2, strategy.upper(), "bf16")
         assert record["dynamo"] == "aot_eager"
         assert record["env"]["KILN_DYNAMO_USE_REGIONAL_COMPILATION"] == "true"
+        assert record["zero_stage"] == (3 if strategy == "deepspeed" else None)
 
 
 @pytest.mark.multiprocess
