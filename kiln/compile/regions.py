@@ -31,6 +31,9 @@ from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _REGIONS: "weakref.WeakKeyDictionary[nn.Module, list[CompiledRegion]]" = weakref.WeakKeyDictionary()
+# Root pre-forward hooks that start a new CUDA-graph step (see mark_cudagraph_steps).
+_STEP_HOOKS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
+CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 class KilnCompileWarning(UserWarning):
@@ -188,7 +191,28 @@ def compile_regions(
         instances = [modules[p] for p in paths]
         regions.append(_compile_class(cls, instances, paths, "block", kwargs, recompile))
     _REGIONS[model] = regions
+    if _uses_cudagraphs(kwargs):
+        mark_cudagraph_steps(model)
     return model
+
+
+def _uses_cudagraphs(kwargs: dict[str, Any]) -> bool:
+    options = kwargs.get("options") or {}
+    return kwargs.get("mode") in CUDAGRAPH_MODES or bool(options.get("triton.cudagraphs"))
+
+
+def mark_cudagraph_steps(model: nn.Module) -> None:
+    """Start a new CUDA-graph step at each call of `model` (a root pre-forward hook).
+
+    With CUDA graphs, each compiled block replays into buffers it reuses across calls; one block
+    graph runs once per layer, and without a step mark the next step overwrote outputs still in
+    use ("accessing tensor output of CUDAGraphs that has been overwritten", torch 2.11, H200,
+    DESIGN.md). As with a full compile in this mode, outputs kept across calls must be cloned.
+    Outside CUDA the mark only advances a counter.
+    """
+    if model not in _STEP_HOOKS:
+        _STEP_HOOKS[model] = model.register_forward_pre_hook(
+            lambda module, args: torch.compiler.cudagraph_mark_step_begin())
 
 
 def compile_full(model: nn.Module, *, recompile: str = "allow", **torch_compile_kwargs: Any) -> nn.Module:
@@ -338,6 +362,9 @@ def _join(prefix: str, name: str) -> str:
 
 def uncompile(model: nn.Module) -> nn.Module:
     """Remove the forwards Kiln compiled in `model`, in place; the model runs eagerly again."""
+    hook = _STEP_HOOKS.pop(model, None)
+    if hook is not None:
+        hook.remove()
     for region in _REGIONS.pop(model, ()):
         modules = dict(model.named_modules())
         for path in region.paths:

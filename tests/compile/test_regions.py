@@ -209,3 +209,22 @@ def test_activation_checkpointing_is_compiled_once_per_class_and_matches_eager()
     assert [(r.graphs, r.calls) for r in regions] == [(1, 3), (1, 3)]
     uncompile(model)  # back to the checkpointed, uncompiled forward
     assert all(getattr(m.forward, "__func__", None) is not None for m in model.decoder)
+
+
+@pytest.mark.parametrize("settings, marked", [({"mode": "reduce-overhead"}, True),
+                                              ({"mode": "max-autotune"}, True),
+                                              ({"options": {"triton.cudagraphs": True}}, True),
+                                              ({"mode": "default"}, False)])
+def test_cuda_graph_modes_start_a_new_step_at_each_call_of_the_model(monkeypatch, settings, marked):
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    model = EncoderDecoder()
+    compile_regions(model, backend="inductor", **settings)
+    x = torch.randn(2, 5, 8)
+    with torch._dynamo.config.patch(disable=True):  # the compiled forwards run eagerly: no compile on a CPU
+        model(x)
+        model(x)
+    assert len(marks) == (2 if marked else 0)  # once per call of the model, not once per block
+    uncompile(model)
+    model(x)
+    assert len(marks) == (2 if marked else 0)
