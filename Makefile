@@ -2,29 +2,38 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+DEV_STAMP := $(VENV)/.installed-dev
 
 .PHONY: setup demo test test-fast bench clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt
+
+# What the demo needs: the pinned runtime set and Kiln itself.
+$(RUN_STAMP): pyproject.toml requirements.txt | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt
 	$(PY) -m pip install --quiet --no-deps -e .
-	touch $(STAMP)
+	touch $@
 
-setup: $(STAMP)
+# The tests and benchmarks add pytest, Accelerate, matplotlib and DeepSpeed.
+$(DEV_STAMP): $(RUN_STAMP) requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
 
-demo: $(STAMP)
+setup: $(DEV_STAMP)
+
+demo: $(RUN_STAMP)
 	$(PY) examples/train_lm.py
 
-test: $(STAMP)
+test: $(DEV_STAMP)
 	$(PY) -m pytest tests -q
 
-test-fast: $(STAMP)
+test-fast: $(DEV_STAMP)
 	$(PY) -m pytest tests -q -m "not inductor"
 
-bench: $(STAMP)
+bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench
 
 clean:
