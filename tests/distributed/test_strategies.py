@@ -118,7 +118,7 @@ def test_fsdp2_sharded_checkpoint_resumes_in_a_fresh_launch(tmp_path):
         assert abs(a - b) < 1e-5, (resumed["losses"], whole["losses"])
 
 
-@pytest.mark.parametrize("stage, precision, teacher", [(2, "no", True), (3, "bf16", False)])
+@pytest.mark.parametrize("stage, precision, teacher", [(1, "no", False), (2, "no", True), (3, "bf16", False)])
 def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, shared_run, stage, precision, teacher):
     pytest.importorskip("deepspeed")
     extra = ["--teacher"] if teacher else []  # a frozen second model is prepared beside the engine
