@@ -42,8 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from compile_bench import (check_backend, cpu_name, load_warning, progress_error, run_child,  # noqa: E402
-                           run_script_row, write_outputs)
+from compile_bench import (cpu_model, load_warning, machine_line, parent_device, progress_error,  # noqa: E402
+                           run_child, run_script_row, write_outputs)
 
 ROWS = {  # name: (dynamic, buckets)
     "a": (False, False),
@@ -209,7 +209,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "graph_breaks": sum(counters["graph_break"].values()),
         "regions": len(regions), "instances": sum(r.instances for r in regions),
         "torch": torch.__version__, "transformers": transformers.__version__,
-        "device": device, "device_name": cpu_name() if device == "cpu" else torch.cuda.get_device_name(),
+        "device": device, "device_name": cpu_model() if device == "cpu" else torch.cuda.get_device_name(),
         "threads": torch.get_num_threads(), "attn_implementation": model.config._attn_implementation,
         "config": config, "step_log": steps,
     }
@@ -251,13 +251,11 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     """Write the run's JSON lines and markdown table; return the text to print last."""
     stem = out / f"bucket_bench_{config['device']}"
-    any_row = next((r for r in rows if "torch" in r), {})
     text = (
         f"Llama-style LM, {config['layers']} layers x {config['hidden']} wide, regional compile, backend "
         f"{config['backend']}; one epoch of {config['examples']} examples (lengths uniform in "
         f"[{config['min_len']}, {config['max_len']}], seed {config['seed']}), batch {config['batch']}, "
-        f"forward + backward + AdamW, float32; torch {any_row.get('torch', '?')}, "
-        f"{any_row.get('device_name', config['device'])}, {any_row.get('threads', '?')} threads.\n\n"
+        f"forward + backward + AdamW, float32; {machine_line(rows, config)}.\n\n"
         "lengths: distinct padded lengths seen. graphs: summed over regions; recompiles: graphs minus one "
         "per region. eager calls: block calls that ran without compiled code (recompile limit hit), of all "
         "block calls. Steps are split into those that compiled a graph, those where a block ran eagerly, "
@@ -275,10 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)
-    import torch  # the parent only checks the backend and asks which device the children will find
-
-    check_backend(args.backend)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = parent_device(args.backend)
     config = {
         "examples": args.examples, "min_len": args.min_len, "max_len": args.max_len, "batch": args.batch,
         "multiple_of": args.multiple_of, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 # Measure the kiln of this checkout, not whichever kiln happens to be installed.
 sys.path.insert(0, str(HERE.parent))
 
-from kiln.bench.measure import cpu_name  # noqa: E402
+from kiln.compile.cache_key import cpu_model  # noqa: E402
 from kiln.bench.report import pyplot  # noqa: E402
 from kiln.bench.run import empty_compiler_caches, run_measuring_process  # noqa: E402
 
@@ -181,7 +181,7 @@ def peak_memory(device: str) -> tuple[float, str, str]:
     import resource
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / 2**(20 if sys.platform == "darwin" else 10), "ru_maxrss", cpu_name()
+    return rss / 2**(20 if sys.platform == "darwin" else 10), "ru_maxrss", cpu_model()
 
 
 def run_child(spec_json: str, measure_row: Any, identity: tuple[str, ...]) -> int:
@@ -211,6 +211,21 @@ def check_backend(backend: str) -> None:
     choices = torch._dynamo.list_backends(exclude_tags=())
     if backend not in choices:
         raise SystemExit(f"--backend {backend!r} is unknown; choose one of: {', '.join(choices)}")
+
+
+def parent_device(backend: str) -> str:
+    """Check `backend` (exit with the choices when unknown) and name the device the children will find."""
+    import torch
+
+    check_backend(backend)
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def machine_line(rows: list[dict[str, Any]], config: dict[str, Any]) -> str:
+    """'torch 2.13.0+cpu, <CPU or GPU name>, 2 threads', from the first row that measured."""
+    any_row = next((r for r in rows if "torch" in r), {})
+    return (f"torch {any_row.get('torch', '?')}, {any_row.get('device_name', config['device'])}, "
+            f"{any_row.get('threads', '?')} threads")
 
 
 # ---------------------------------------------------------------- parent: one subprocess per row
@@ -308,11 +323,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     """Write the run's JSON lines, markdown table and plot; return the text to print last."""
-    any_row = next((r for r in rows if "torch" in r), {})
     text = (f"Llama-style LM, {config['layers']} layers x {config['hidden']} wide, batch {config['batch']} x "
             f"{config['seq']}, {config['dtype']}, backend {config['backend']}, median of {config['steps']} steps; "
-            f"torch {any_row.get('torch', '?')}, {any_row.get('device_name', config['device'])}, "
-            f"{any_row.get('threads', '?')} threads.\n\n{results_table(rows)}\n{load_warning(rows)}")
+            f"{machine_line(rows, config)}.\n\n{results_table(rows)}\n{load_warning(rows)}")
     return write_outputs(out / f"compile_bench_{config['device']}", rows, text, plot)
 
 
@@ -332,10 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)
-    import torch  # the parent only asks which device the children will find
-
-    check_backend(args.backend)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = parent_device(args.backend)
     config = model_config(args, device)
     plan = [(m, w) for w in args.workloads for m in args.methods]
     rows = []

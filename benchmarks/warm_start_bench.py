@@ -36,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from compile_bench import (build_model, check_backend, model_config, peak_memory, progress_error,  # noqa: E402
-                           pyplot, run_child, run_script_row, write_outputs)
+from compile_bench import (build_model, machine_line, model_config, parent_device, peak_memory,  # noqa: E402
+                           progress_error, pyplot, run_child, run_script_row, write_outputs)
 
 ROWS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm")
 CHILD_TIMEOUT_S = 1800
@@ -269,11 +269,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def write_results(rows: list[dict[str, Any]], config: dict[str, Any], out: Path) -> str:
     """Write the run's JSON lines, markdown table and plot; return the text to print last."""
-    any_row = next((r for r in rows if "torch" in r), {})
     text = (f"Warm start of a regional-compiled training step (AdamW, eager optimizer): Llama-style LM, "
             f"{config['layers']} layers x {config['hidden']} wide, batch {config['batch']} x {config['seq']}, "
-            f"{config['dtype']}, backend {config['backend']}; torch {any_row.get('torch', '?')}, "
-            f"{any_row.get('device_name', config['device'])}, {any_row.get('threads', '?')} threads. "
+            f"{config['dtype']}, backend {config['backend']}; {machine_line(rows, config)}. "
             f"Each row is a fresh process.\n\n{results_table(rows)}\n\n{ratios_text(rows)}\n")
     losses = {r["row"]: tuple(r["losses"]) for r in rows if "error" not in r}
     text += ("\nEvery row computed the same losses over its steps.\n" if len(set(losses.values())) == 1
@@ -288,10 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.child)
-    import torch
-
-    check_backend(args.backend)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = parent_device(args.backend)
     config = model_config(args, device)
     base = Path(tempfile.mkdtemp(prefix="kiln_warm_bench_"))
     plan = [(run, row) for run in range(1, args.repeats + 1) for row in ROWS]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.bench.plan import MODEL_SIZES
+from kiln.compile.cache_key import cpu_model
 
 
 def build_model(row: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -132,7 +133,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         params_m=round(sum(p.numel() for p in model.parameters()) / 1e6, 2),
         compiled_frames_per_step=frames_per_step,
         torch=torch.__version__, transformers=transformers.__version__,
-        device_name=torch.cuda.get_device_name() if cuda else cpu_name(),
+        device_name=torch.cuda.get_device_name() if cuda else cpu_model(),
         threads=torch.get_num_threads(), attn_implementation=config._attn_implementation,
     )
     result.update(dynamo_facts(graphs_after_first))
@@ -232,17 +233,6 @@ def peak_memory_mib(cuda: bool) -> float:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**(20 if sys.platform == "darwin" else 10)
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str]) -> int:
