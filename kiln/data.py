@@ -123,10 +123,6 @@ class ShardedIterable(IterableDataset):
             self.padded_samples = need
             yield from chunk[mine]
 
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
-
 
 class SeededRandomSampler(RandomSampler):
     """A RandomSampler whose order depends on (seed, epoch) only, the same on every process."""
@@ -334,9 +330,8 @@ def skip_first_batches(dataloader: PreparedDataLoader, num_batches: int) -> Skip
         raise TypeError("skip_first_batches takes a dataloader returned by Accelerator.prepare")
     if not isinstance(num_batches, int) or num_batches < 0:
         raise ValueError(f"num_batches must be an int >= 0, got {num_batches!r}")
-    if isinstance(dataloader.dataset, IterableDataset):
-        pass  # a stream has no length to check against
-    elif num_batches > len(dataloader):
+    # A stream has no length to check against.
+    if not isinstance(dataloader.dataset, IterableDataset) and num_batches > len(dataloader):
         warnings.warn(f"skipping {num_batches} batches of a {len(dataloader)}-batch epoch leaves "
                       "nothing to iterate", UserWarning, stacklevel=2)
     return SkippedDataLoader(dataloader, num_batches)
