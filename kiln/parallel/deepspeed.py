@@ -134,8 +134,7 @@ def build_config(plugin: DeepSpeedPlugin, *, mixed_precision: str, gradient_accu
                          "torch optimizer and scheduler you prepare: remove the section(s)")
     config.setdefault("zero_optimization", {})
     _fill(config, ("zero_optimization", "stage"), plugin.zero_stage, "DeepSpeedPlugin.zero_stage")
-    if config["zero_optimization"].get("stage", "auto") == "auto":
-        config["zero_optimization"]["stage"] = 2
+    config["zero_optimization"]["stage"] = planned_zero_stage(plugin)
     _fill(config, ("gradient_clipping",), plugin.gradient_clipping, "DeepSpeedPlugin.gradient_clipping")
     _fill(config, ("gradient_accumulation_steps",), gradient_accumulation_steps,
           "Accelerator(gradient_accumulation_steps=)")
@@ -171,6 +170,14 @@ def build_config(plugin: DeepSpeedPlugin, *, mixed_precision: str, gradient_accu
     return config
 
 
+def planned_zero_stage(plugin: DeepSpeedPlugin) -> Any:
+    """The stage the engine will use: the config's, else the plugin's, else 2."""
+    stage = (plugin.hf_ds_config or {}).get("zero_optimization", {}).get("stage", "auto")
+    if stage != "auto":
+        return stage
+    return plugin.zero_stage if plugin.zero_stage is not None else 2
+
+
 def _auto_keys(node: Any, prefix: str = "") -> list[str]:
     if isinstance(node, dict):
         return [key for name, value in node.items() for key in _auto_keys(value, f"{prefix}{name}.")]
@@ -203,11 +210,7 @@ class DeepSpeedStrategy(Strategy):
 
     @property
     def zero_stage(self) -> int:
-        """The stage the engine will use: the config's, else the plugin's, else 2."""
-        stage = (self.plugin.hf_ds_config or {}).get("zero_optimization", {}).get("stage", "auto")
-        if stage != "auto":
-            return int(stage)
-        return self.plugin.zero_stage if self.plugin.zero_stage is not None else 2
+        return int(planned_zero_stage(self.plugin))
 
     def check_compile(self, dynamo_plugin: Any) -> None:
         if self.zero_stage != 3 or dynamo_plugin is None or not dynamo_plugin.enabled:
