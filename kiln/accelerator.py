@@ -125,7 +125,7 @@ class Accelerator(ProcessAPI):
                               UserWarning, stacklevel=3)
             return SingleProcess()
         if fsdp_plugin is not None:
-            return FSDPStrategy(fsdp_plugin, self.precision.mode)
+            return FSDPStrategy(fsdp_plugin)
         if deepspeed_plugin is not None:
             return DeepSpeedStrategy(deepspeed_plugin, self.precision.mode, self.gradient_accumulation_steps)
         return DDPStrategy(self.device)

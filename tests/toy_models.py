@@ -83,12 +83,15 @@ def tiny_gpt2(layers: int = 3):
     return model
 
 
-def tiny_llama(layers: int = 3):
+def tiny_llama(layers: int = 3, width: int = 32, init_std: float = 0.02):
+    """width=64, init_std=0.08 gives a gradient norm of about 3 at the start (parity tests need
+    gradients that clipping at 1.0 would change)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(num_hidden_layers=layers, hidden_size=32, intermediate_size=64,
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width,
                          num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                         max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+                         max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                         initializer_range=init_std)
     model = LlamaForCausalLM(config)
     model.loss_type = "ForCausalLM"
     return model

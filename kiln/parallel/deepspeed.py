@@ -108,13 +108,19 @@ def _read_config_file(path: Path) -> dict:
     return config
 
 
+def _parent(config: dict, keys: tuple[str, ...]) -> dict:
+    """The dict that holds config[keys...], made where missing."""
+    node = config
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    return node
+
+
 def _fill(config: dict, keys: tuple[str, ...], value: Any, source: str) -> None:
     """Set config[keys...] to value where it is missing or "auto"; a different value is an error."""
     if value is None:
         return
-    node = config
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
+    node = _parent(config, keys)
     current = node.get(keys[-1], "auto")
     if current == "auto":
         node[keys[-1]] = value
@@ -141,15 +147,8 @@ def build_config(plugin: DeepSpeedPlugin, *, mixed_precision: str, gradient_accu
     for section, device in (("offload_optimizer", plugin.offload_optimizer_device),
                             ("offload_param", plugin.offload_param_device)):
         _fill(config, ("zero_optimization", section, "device"), device, f"DeepSpeedPlugin.{section}_device")
-    for name in ("fp16", "bf16"):
-        section = config.setdefault(name, {})
-        wanted = mixed_precision == name
-        current = section.get("enabled", "auto")
-        if current == "auto":
-            section["enabled"] = wanted
-        elif bool(current) != wanted:
-            raise ValueError(f"the DeepSpeed config sets {name}.enabled={current}, but the Accelerator's "
-                             f"mixed_precision is {mixed_precision!r}; make them agree")
+    _fill_precision(config, mixed_precision)
+    _fill_plain_loop_arithmetic(config)
     if config.get("train_micro_batch_size_per_gpu", "auto") == "auto" and config.get("train_batch_size", "auto") == "auto":
         if micro_batch_size is None:
             raise ValueError("DeepSpeed needs the batch size per process: prepare the dataloader in the same "
@@ -168,6 +167,59 @@ def build_config(plugin: DeepSpeedPlugin, *, mixed_precision: str, gradient_accu
     if config["zero_optimization"].get("offload_param", {}).get("device", "none") != "none" and stage != 3:
         raise ValueError(f"offload_param needs ZeRO stage 3; this config uses stage {stage}")
     return config
+
+
+# The arithmetic of the plain PyTorch loop, for the DeepSpeed settings that would change a step
+# where the user's config leaves them out (values checked against deepspeed 0.19 runtime/constants.py).
+_PLAIN_LOOP_SETTINGS = {
+    ("gradient_clipping",): 0.0,  # DeepSpeed's default is 1.0: it would clip every step nobody asked to clip
+    ("prescale_gradients",): False,  # average after the reduction, as DDP does
+    ("gradient_predivide_factor",): 1.0,
+}
+# Under DeepSpeed's own fp16 or bf16: reduce gradients in fp32, as the plain loop's fp32 gradients are
+# (DeepSpeed's default is the half dtype).
+_HALF_SETTINGS = {("communication_data_type",): "fp32"}
+# DeepSpeed's fp16 loss scaler set to behave as torch.amp.GradScaler() does: start at 2**16, halve on
+# every overflow (DeepSpeed's default waits for 2), double after 2000 clean steps (DeepSpeed: 1000).
+# One difference stays: DeepSpeed's scale cannot fall below min_loss_scale (an int >= 1), GradScaler's can.
+_FP16_SCALER_SETTINGS = {
+    ("fp16", "loss_scale"): 0,  # 0: dynamic
+    ("fp16", "initial_scale_power"): 16,
+    ("fp16", "loss_scale_window"): 2000,
+    ("fp16", "hysteresis"): 1,
+    ("fp16", "consecutive_hysteresis"): False,
+}
+
+
+def _fill_precision(config: dict, mixed_precision: str) -> None:
+    """bf16 runs as Kiln's autocast around an fp32 engine, the plain loop's arithmetic (fp32 weights,
+    gradients and reductions), unless the config turns DeepSpeed's own bf16 on (bf16 weights with fp32
+    master copies). fp16 turns DeepSpeed's fp16 on: its loss scaler is the one that works with ZeRO."""
+    for name in ("fp16", "bf16"):
+        section = config.setdefault(name, {})
+        current = section.get("enabled", "auto")
+        if current == "auto":
+            section["enabled"] = mixed_precision == "fp16" if name == "fp16" else False
+            continue
+        if name == "fp16":
+            agrees = bool(current) == (mixed_precision == "fp16")
+        else:  # off is Kiln's own choice for bf16; on needs mixed_precision="bf16"
+            agrees = not current or mixed_precision == "bf16"
+        if not agrees:
+            raise ValueError(f"the DeepSpeed config sets {name}.enabled={current}, but the Accelerator's "
+                             f"mixed_precision is {mixed_precision!r}; make them agree")
+
+
+def _fill_plain_loop_arithmetic(config: dict) -> None:
+    settings = dict(_PLAIN_LOOP_SETTINGS)
+    if config["fp16"]["enabled"] or config["bf16"]["enabled"]:
+        settings.update(_HALF_SETTINGS)
+    if config["fp16"]["enabled"]:
+        settings.update(_FP16_SCALER_SETTINGS)
+    for keys, value in settings.items():
+        node = _parent(config, keys)
+        if node.get(keys[-1], "auto") == "auto":
+            node[keys[-1]] = value
 
 
 def planned_zero_stage(plugin: DeepSpeedPlugin) -> Any:
@@ -275,9 +327,11 @@ class DeepSpeedStrategy(Strategy):
         """The engine clipped inside its step (in `backward`); check the user asked for the same norm."""
         configured = self.engine.gradient_clipping() if self.engine is not None else 0.0
         if not math.isclose(configured, float(max_norm)):
-            raise ValueError(f"DeepSpeed clips gradients inside its step with gradient_clipping={configured}; "
-                             f"clip_grad_norm_ asked for {max_norm}. Set DeepSpeedPlugin(gradient_clipping={max_norm}) "
-                             "(or `kiln config --gradient_clipping`) so the engine clips to that norm")
+            how = f"to gradient_clipping={configured}" if configured else "and this engine was built without clipping"
+            raise ValueError(f"DeepSpeed clips gradients inside its step (in backward, before clip_grad_norm_ "
+                             f"runs), {how}; clip_grad_norm_ asked for {max_norm}. Set "
+                             f"DeepSpeedPlugin(gradient_clipping={max_norm}) (or `kiln launch --gradient_clipping "
+                             f"{max_norm}`) so the engine clips to that norm")
         norm = self.engine.get_global_grad_norm()
         return None if norm is None else torch.as_tensor(float(norm))
 

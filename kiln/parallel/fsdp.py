@@ -28,8 +28,11 @@ class FullyShardedDataParallelPlugin:
     """FSDP2 settings.
 
     reshard_after_forward: free each block's gathered parameters after its forward (less memory,
-    one more all-gather in backward). mixed_precision: compute dtype of the sharded parameters
-    ("bf16", "fp16", "no"); None follows the Accelerator's `mixed_precision`. Gradients are
+    one more all-gather in backward; the arithmetic is the same). mixed_precision: None or "no"
+    keeps the parameters fp32, and the Accelerator's `mixed_precision` autocasts around them, the
+    plain loop's arithmetic (Accelerate's FSDP2 default too); "bf16" or "fp16" has FSDP cast the
+    gathered parameters to that dtype (half the all-gather traffic, but every op then runs on half
+    weights: embeddings and the residual stream too, not only what autocast casts). Gradients are
     always reduced in fp32. activation_checkpointing: recompute each block's activations in
     backward (applied before compile, so it lives inside each compiled block).
     """
@@ -49,10 +52,10 @@ class FSDPStrategy(Strategy):
     distributed_type = DistributedType.FSDP
     sharded_checkpoints = True
 
-    def __init__(self, plugin: FullyShardedDataParallelPlugin, mixed_precision: str) -> None:
+    def __init__(self, plugin: FullyShardedDataParallelPlugin) -> None:
         self.plugin = plugin
         self.activation_checkpointing = plugin.activation_checkpointing
-        self.param_dtype = _DTYPES[plugin.mixed_precision or mixed_precision]
+        self.param_dtype = _DTYPES[plugin.mixed_precision or "no"]
         self._new_parameter: dict[int, nn.Parameter] = {}  # id(old parameter) -> its sharded successor
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:

@@ -2,7 +2,8 @@
 
 Writes, from the main process, a JSON file with the global loss of every optimizer step, the
 compiled calls of every rank, a checksum of the parameters on every rank and the gathered
-evaluation targets.
+evaluation targets. With --plain it runs the same training as the plain PyTorch loop a user
+would write without Kiln (one process, the global batch), the oracle for parity tests.
 """
 
 import argparse
@@ -14,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from toy_models import Regressor  # noqa: E402
+from toy_models import Regressor, tiny_llama  # noqa: E402
 
 from kiln import Accelerator, TorchDynamoPlugin  # noqa: E402
 from kiln.compile.regions import compiled_regions  # noqa: E402
@@ -47,6 +48,59 @@ class Stream(torch.utils.data.IterableDataset):
         return ((torch.tensor(float(i)),) for i in range(self.n))
 
 
+def training_data(args):
+    """The dataset and the model: the toy regressor, or a tiny Llama whose gradient norm is well above 1."""
+    generator = torch.Generator().manual_seed(1)
+    if args.model == "llama":
+        tokens = torch.randint(0, 97, (args.samples, 16), generator=generator)
+        return TensorDataset(tokens, tokens.clone())
+    x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
+    return TensorDataset(x, y)
+
+
+def build_model(args):
+    return tiny_llama(layers=3, width=64, init_std=0.08) if args.model == "llama" else Regressor()
+
+
+def model_loss(args, model, inputs, targets):
+    if args.model == "llama":
+        return {"loss": model(input_ids=inputs, labels=targets, use_cache=False)["loss"]}
+    return model(inputs, targets)
+
+
+def build_optimizer(args, model):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=args.lr)
+    return torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def plain_loop(args) -> None:
+    """What a user writes without Kiln, on one process over the global batch: no compile, no wrapper."""
+    torch.manual_seed(0)
+    model = build_model(args)
+    optimizer = build_optimizer(args, model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loader = DataLoader(training_data(args), batch_size=args.global_batch, drop_last=True)
+    losses, norms, window = [], [], 0.0
+    for index, (inputs, targets) in enumerate(loader):
+        loss = model_loss(args, model, inputs, targets)["loss"] / args.grad_accum
+        loss.backward()
+        window += loss.item()
+        if (index + 1) % args.grad_accum:
+            continue
+        max_norm = args.clip if args.clip is not None else float("inf")
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(window)
+        window = 0.0
+    if args.save_weights:
+        torch.save(model.state_dict(), args.save_weights)
+    with open(args.out, "w") as handle:
+        json.dump({"losses": losses, "grad_norms": norms}, handle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -63,12 +117,24 @@ def main() -> None:
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--fsdp-mixed-precision", default=None, help="FSDP2's own parameter dtype (opt-in)")
     parser.add_argument("--zero-stage", type=int, default=None, help="train with DeepSpeed at this ZeRO stage")
     parser.add_argument("--save-model", default=None)
     parser.add_argument("--teacher", action="store_true", help="also prepare a frozen model and distil from it")
     parser.add_argument("--poison-step", type=int, default=0,
                         help="put an inf into rank 0's gradients (its shard only) before this optimizer step")
+    parser.add_argument("--model", choices=["regressor", "llama"], default="regressor")
+    parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--clip", type=lambda v: None if v == "none" else float(v), default=1.0,
+                        help="max gradient norm the loop clips to; 'none': the loop does not clip")
+    parser.add_argument("--ds-config", type=json.loads, default=None, help="a DeepSpeed config, as JSON")
+    parser.add_argument("--save-weights", default=None, help="torch.save the final full state dict here")
+    parser.add_argument("--plain", action="store_true", help="the plain PyTorch loop, without Kiln")
     args = parser.parse_args()
+    if args.plain:
+        plain_loop(args)
+        return
 
     set_seed(0)
     plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
@@ -77,19 +143,19 @@ def main() -> None:
                       gradient_accumulation_steps=args.grad_accum,
                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful),
                       fsdp_plugin=FullyShardedDataParallelPlugin(
-                          activation_checkpointing=args.activation_checkpointing) if args.fsdp else None,
-                      deepspeed_plugin=DeepSpeedPlugin(zero_stage=args.zero_stage, gradient_clipping=1.0)
+                          activation_checkpointing=args.activation_checkpointing,
+                          mixed_precision=args.fsdp_mixed_precision) if args.fsdp else None,
+                      deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.ds_config, zero_stage=args.zero_stage,
+                                                       gradient_clipping=args.clip)
                       if args.zero_stage is not None else None)
-    generator = torch.Generator().manual_seed(1)
-    x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
     per_process = args.global_batch // acc.num_processes
-    loader = DataLoader(TensorDataset(x, y), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
+    loader = DataLoader(training_data(args), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
     eval_data = TensorDataset(torch.arange(args.eval_samples, dtype=torch.float32))
     if args.eval_stream:
         eval_data = Stream(args.eval_samples)
     eval_loader = DataLoader(eval_data, batch_size=3)
-    model = Regressor()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    model = build_model(args)
+    optimizer = build_optimizer(args, model)
     # Halving the rate each step makes a scheduler that did not reach the optimizer change the losses.
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     model, optimizer, loader, eval_loader, scheduler = acc.prepare(model, optimizer, loader, eval_loader, scheduler)
@@ -108,7 +174,7 @@ def main() -> None:
         batches = acc.skip_first_batches(loader, skip) if skip else loader
         for inputs, targets in batches:
             with acc.accumulate(model):
-                outputs = model(inputs, targets)
+                outputs = model_loss(args, model, inputs, targets)
                 loss = outputs["loss"]
                 if teacher is not None:
                     with torch.no_grad():
@@ -119,8 +185,8 @@ def main() -> None:
                 if acc.sync_gradients and progress.steps + 1 == args.poison_step and acc.process_index == 0:
                     grad = next(p.grad for p in model.parameters() if p.grad is not None)
                     (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
-                if acc.sync_gradients:
-                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                if acc.sync_gradients and args.clip is not None:
+                    acc.clip_grad_norm_(model.parameters(), args.clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -146,6 +212,8 @@ def main() -> None:
     checksum = sum(t.double().sum().item() for t in full.values())
     if args.save_model:
         acc.save_model(model, args.save_model)
+    if args.save_weights and acc.is_main_process:
+        torch.save(full, args.save_weights)
     all_calls = acc.gather(torch.tensor([calls])).tolist()
     all_checksums = acc.gather(torch.tensor([checksum], dtype=torch.float64)).tolist()
     all_skipped = [[bool(x) for x in row] for row in acc.gather(torch.tensor([skipped], dtype=torch.int64)).tolist()]

@@ -20,19 +20,56 @@ def test_auto_and_missing_values_are_filled_from_the_accelerator():
     assert built["zero_optimization"]["stage"] == 3
     assert built["gradient_accumulation_steps"] == 4 and built["train_micro_batch_size_per_gpu"] == 8
     assert "train_batch_size" not in built and built["gradient_clipping"] == 1.0
-    assert built["bf16"] == {"enabled": True} and built["fp16"] == {"enabled": False}
+    # bf16 is Kiln's autocast around the fp32 engine unless the config turns DeepSpeed's bf16 on.
+    assert built["bf16"] == {"enabled": False} and built["fp16"] == {"enabled": False}
     assert user["zero_optimization"]["stage"] == "auto"  # the user's dict is left as it was
 
 
-def test_defaults_to_zero_2_and_no_clipping():
+def test_defaults_are_the_plain_loops_arithmetic():
     built = config()
-    assert built["zero_optimization"]["stage"] == 2 and "gradient_clipping" not in built
+    assert built["zero_optimization"]["stage"] == 2
+    # DeepSpeed's own default clips at 1.0; a plain loop clips only when asked.
+    assert built["gradient_clipping"] == 0.0
+    assert built["prescale_gradients"] is False and built["gradient_predivide_factor"] == 1.0
+    assert "communication_data_type" not in built  # fp32 weights: DeepSpeed reduces in fp32
+
+
+def test_deepspeeds_own_half_precision_reduces_in_fp32_and_scales_like_grad_scaler():
+    own_bf16 = config(DeepSpeedPlugin(hf_ds_config={"bf16": {"enabled": True}}), "bf16")
+    assert own_bf16["bf16"] == {"enabled": True} and own_bf16["communication_data_type"] == "fp32"
+    fp16 = config(precision="fp16")
+    assert fp16["communication_data_type"] == "fp32"
+    # torch.amp.GradScaler(): 2**16 to start, halve at every overflow, double after 2000 clean steps.
+    assert fp16["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+                            "hysteresis": 1, "consecutive_hysteresis": False}
+
+
+def test_the_users_own_values_win_over_kilns_defaults():
+    user = {"gradient_clipping": 0.5, "communication_data_type": "bf16", "prescale_gradients": True,
+            "fp16": {"enabled": True, "hysteresis": 2, "loss_scale_window": "auto"}}
+    built = config(DeepSpeedPlugin(hf_ds_config=user), "fp16")
+    assert built["gradient_clipping"] == 0.5 and built["communication_data_type"] == "bf16"
+    assert built["prescale_gradients"] is True
+    assert built["fp16"]["hysteresis"] == 2 and built["fp16"]["loss_scale_window"] == 2000
+
+
+def test_the_built_config_is_read_by_deepspeed_as_meant():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    import torch
+
+    read = DeepSpeedConfig(config(precision="fp16", accumulation=2))
+    assert read.gradient_clipping == 0.0 and read.communication_data_type == torch.float32
+    assert (read.float16_config.hysteresis, read.float16_config.loss_scale_window) == (1, 2000)
+    assert read.prescale_gradients is False and read.gradient_predivide_factor == 1.0
 
 
 @pytest.mark.parametrize("user, plugin, precision, accumulation, message", [
     ({"zero_optimization": {"stage": 3}}, {"zero_stage": 2}, "no", 1, "zero_optimization.stage=3"),
     ({"gradient_accumulation_steps": 8}, {}, "no", 2, "gradient_accumulation_steps=8"),
     ({"bf16": {"enabled": True}}, {}, "no", 1, "bf16.enabled=True"),
+    ({"bf16": {"enabled": True}}, {}, "fp16", 1, "bf16.enabled=True"),
     ({"fp16": {"enabled": False}}, {}, "fp16", 1, "fp16.enabled=False"),
     ({"optimizer": {"type": "Adam"}}, {}, "no", 1, "optimizer"),
     ({"zero_optimization": {"reduce_bucket_size": "auto"}}, {}, "no", 1, "zero_optimization.reduce_bucket_size"),
@@ -122,3 +159,17 @@ def test_accumulation_steps_of_the_plugin_are_used_when_the_accelerator_leaves_t
         Accelerator(gradient_accumulation_steps=2, deepspeed_plugin=DeepSpeedPlugin(gradient_accumulation_steps=4))
     with pytest.raises(ValueError, match="positive int"):
         DeepSpeedPlugin(gradient_accumulation_steps=0)
+
+
+def test_clip_grad_norm_must_ask_for_the_norm_the_engine_clips_to():
+    pytest.importorskip("deepspeed")
+    from types import SimpleNamespace
+
+    from kiln.parallel.deepspeed import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(DeepSpeedPlugin(), "no", 1)
+    strategy.engine = SimpleNamespace(gradient_clipping=lambda: 0.0, get_global_grad_norm=lambda: 2.5)
+    with pytest.raises(ValueError, match=r"built without clipping.*DeepSpeedPlugin\(gradient_clipping=1.0\)"):
+        strategy.clip_grad_norm(1.0)
+    strategy.engine = SimpleNamespace(gradient_clipping=lambda: 1.0, get_global_grad_norm=lambda: 2.5)
+    assert strategy.clip_grad_norm(1.0).item() == 2.5  # the norm before clipping, as clip_grad_norm_ returns
