@@ -11,6 +11,7 @@ from kiln.compile.report import CompileReport, compile_report
 from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
+from kiln.project import ProjectConfiguration
 from kiln.state import DistributedType
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "CompileReport",
     "DistributedType",
     "KilnCompileWarning",
+    "ProjectConfiguration",
     "TorchDynamoPlugin",
     "compile_regions",
     "compile_report",

@@ -21,7 +21,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -30,6 +30,7 @@ from kiln.parallel.base import Strategy
 
 MANIFEST = "kiln_checkpoint.json"
 FORMAT_VERSION = 1
+STAGING_SUFFIX = ".kiln-staging"  # `.<name>.kiln-staging`: a save in progress, or one that crashed
 
 
 def _rng_state() -> dict[str, Any]:
@@ -63,13 +64,17 @@ def _optimizers_of(model: torch.nn.Module, optimizers: list) -> list:
 
 def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy: Strategy, optimizers: list,
                         schedulers: list, dataloaders: list, custom: list, scaler: Any, process_index: int,
-                        num_processes: int, is_main_process: bool, barrier: Any) -> Path:
+                        num_processes: int, is_main_process: bool, barrier: Any,
+                        save_hooks: Iterable[Callable] = ()) -> Path:
     """Write everything into a staging folder, then rename it onto `output_dir` in one step.
 
     `models` are the prepared models; `optimizers` the prepared optimizers (their `.optimizer`
-    is the user's), in prepare order."""
+    is the user's), in prepare order. Each of `save_hooks` is called as in Accelerate,
+    `hook(models, weights, folder)`, on every process before the weights are written: it may write
+    files of its own into `folder` (they move with the checkpoint) and pop the state dicts it saved
+    itself from `weights` (whole checkpoints; `weights` is empty with a sharding strategy)."""
     target = Path(output_dir).resolve()
-    staging = target.with_name(f".{target.name}.kiln-staging")
+    staging = target.with_name(f".{target.name}{STAGING_SUFFIX}")
     if is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -77,12 +82,14 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
     with open(staging / f"random_states_{process_index}.pkl", "wb") as handle:
         pickle.dump(_rng_state(), handle)
     files = [f"random_states_{rank}.pkl" for rank in range(num_processes)]
+    state_dicts = [] if strategy.sharded_checkpoints else \
+        [clean_state_dict(strategy.full_state_dict(model)) for model in models]
+    for hook in save_hooks:
+        hook(list(models), state_dicts, str(staging))
     if strategy.sharded_checkpoints:
         for i, model in enumerate(models):  # a collective: every process writes its shard
             owned = [opt.optimizer for opt in _optimizers_of(model, optimizers)]
             files.append(strategy.save_sharded(staging, i, model, owned))
-    else:
-        state_dicts = [clean_state_dict(strategy.full_state_dict(model)) for model in models]
     if is_main_process:
         if not strategy.sharded_checkpoints:
             for i, state_dict in enumerate(state_dicts):
@@ -139,10 +146,18 @@ def read_manifest(input_dir: str | os.PathLike) -> dict[str, Any]:
 
 def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy: Strategy, optimizers: list,
                         schedulers: list, dataloaders: list, custom: list, scaler: Any, process_index: int,
-                        num_processes: int) -> dict[str, Any]:
-    """Restore what `save_training_state` wrote into the prepared objects, in the same order."""
+                        num_processes: int, load_hooks: Iterable[Callable] = (),
+                        strict: bool = True) -> dict[str, Any]:
+    """Restore what `save_training_state` wrote into the prepared objects, in the same order.
+
+    Each of `load_hooks` is called first as `hook(models, folder)`; the models it pops from
+    `models` (having loaded them itself) are not loaded again. `strict=False` lets whole model
+    checkpoints miss keys or hold extra ones (as `load_state_dict(strict=False)`)."""
     folder = Path(input_dir)
     manifest = read_manifest(folder)
+    models = list(models)
+    for hook in load_hooks:
+        hook(models, str(folder))
     if manifest["num_processes"] != num_processes:
         raise ValueError(f"checkpoint {folder} was written by {manifest['num_processes']} processes, "
                          f"this run has {num_processes}; the RNG and data positions would not line up")
@@ -165,9 +180,10 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
             raise ValueError(f"checkpoint {folder} holds {count} {prefix}(s), this run prepared {given[prefix]}")
     for i, model in enumerate(models):
         if sharded:
-            strategy.load_sharded(folder, i, model, [opt.optimizer for opt in _optimizers_of(model, optimizers)])
+            strategy.load_sharded(folder, i, model, [opt.optimizer for opt in _optimizers_of(model, optimizers)],
+                                  strict=strict)
         else:
-            strategy.unwrap(model).load_state_dict(load_state_dict(folder / f"model_{i}"))
+            strategy.unwrap(model).load_state_dict(load_state_dict(folder / f"model_{i}"), strict=strict)
     if not sharded:
         for i, opt in enumerate(optimizers):
             opt.load_state_dict(torch.load(folder / f"optimizer_{i}.bin", map_location="cpu", weights_only=False))

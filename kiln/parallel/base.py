@@ -73,7 +73,7 @@ class Strategy:
         raise NotImplementedError(f"{self.name} writes whole checkpoints")
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
-                     optimizers: list[torch.optim.Optimizer]) -> None:
+                     optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
         raise NotImplementedError(f"{self.name} reads whole checkpoints")
 
 

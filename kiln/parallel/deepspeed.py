@@ -367,12 +367,12 @@ class DeepSpeedStrategy(Strategy):
         return name
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
-                     optimizers: list[torch.optim.Optimizer]) -> None:
+                     optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
         name = f"sharded_model_{index}"
         if model is not self.engine:
-            model.load_state_dict(load_state_dict(folder / name))
+            model.load_state_dict(load_state_dict(folder / name), strict=strict)
             return
-        path, _ = self.engine.load_checkpoint(str(folder), tag=name,
+        path, _ = self.engine.load_checkpoint(str(folder), tag=name, load_module_strict=strict,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {name} in {folder}")

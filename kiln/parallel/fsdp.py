@@ -105,11 +105,12 @@ class FSDPStrategy(Strategy):
         return name
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
-                     optimizers: list[torch.optim.Optimizer]) -> None:
+                     optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         model_state, optimizer_state = get_state_dict(model, optimizers)
         state = {"model": model_state, "optimizers": optimizer_state}
         dcp.load(state, checkpoint_id=str(folder / f"sharded_model_{index}"))
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"],
+                       options=StateDictOptions(strict=strict))
