@@ -5,22 +5,20 @@ Depends on every Kiln module; nothing in Kiln imports it back.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
 import warnings
 import weakref
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
-from torch.utils.hooks import RemovableHandle
 
 from kiln import collectives
 from kiln.accumulation import GradientState
 from kiln.checkpoint import clean_state_dict, save_state_dict
+from kiln.checkpoint_api import CheckpointAPI
 from kiln.activation_checkpointing import apply_activation_checkpointing
 from kiln.compile.regions import find_repeated_blocks, select_blocks, uncompile
 from kiln.compile.report import CompileReport
@@ -33,13 +31,12 @@ from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
 from kiln.plugins import DISABLED_BACKENDS, DataLoaderConfiguration, TorchDynamoPlugin, parse_bool
 from kiln.precision import Precision, remove_precision_wrapper
 from kiln.process_api import ProcessAPI
-from kiln.project import ProjectConfiguration, latest_checkpoint, next_checkpoint, prune_checkpoints
-from kiln.resume import load_training_state, save_training_state
+from kiln.project import ProjectConfiguration
 from kiln.state import DistributedType, ProcessState
-from kiln.tracking import TRACKERS, BlankTracker, check_log_with, log_to_trackers
+from kiln.tracking import TrackingAPI
 
 
-class Accelerator(ProcessAPI):
+class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
     """Makes a PyTorch training loop run compiled, in mixed precision, with gradient accumulation.
 
     >>> accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(use_regional_compilation=True),
@@ -81,30 +78,11 @@ class Accelerator(ProcessAPI):
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
-        self._custom_objects: list[Any] = []
         # Both what the user passed and what prepare returned, so neither is prepared twice.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
-        self.log_with = check_log_with(log_with)
-        self.project_configuration = _project_configuration(project_config, project_dir)
-        # OrderedDicts: RemovableHandle holds a weak reference to its dict, which a plain dict cannot take.
-        self._save_state_pre_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
-        self._load_state_pre_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
-        self.trackers: list[Any] = []
-        self._tracking_warned: set[str] = set()  # keys already named in a skipped-value warning
+        self._init_tracking(log_with)
+        self._init_checkpointing(project_config, project_dir)
         self.compiler = CompileSession(self.dynamo_plugin, is_writer=self.is_main_process)
-
-    @property
-    def project_dir(self) -> str | None:
-        return self.project_configuration.project_dir
-
-    @property
-    def logging_dir(self) -> str | None:
-        return self.project_configuration.logging_dir
-
-    @property
-    def save_iteration(self) -> int:
-        """The number of the next automatic checkpoint (`checkpoint_<save_iteration>`)."""
-        return self.project_configuration.iteration
 
     @property
     def mixed_precision(self) -> str:
@@ -372,79 +350,6 @@ class Accelerator(ProcessAPI):
         """A dataloader that starts after `num_batches` batches of this process (mid-epoch resume)."""
         return skip_first_batches(dataloader, num_batches)
 
-    # ----- checkpoints ---------------------------------------------------------------------
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Objects with `state_dict`/`load_state_dict` that save_state and load_state carry too."""
-        for obj in objects:
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise TypeError(f"{type(obj).__name__} cannot be checkpointed: "
-                                "it needs state_dict() and load_state_dict()")
-        self._custom_objects.extend(objects)
-
-    def register_save_state_pre_hook(self, hook: Callable[[list, list, str], None]) -> RemovableHandle:
-        """`hook(models, weights, output_dir)` runs in `save_state` before the weights are written, on
-        every process, as in Accelerate: it may save models its own way into `output_dir` and pop
-        their state dicts from `weights` so that Kiln does not write them too. Returns a handle
-        whose `remove()` unregisters it."""
-        handle = RemovableHandle(self._save_state_pre_hooks)
-        self._save_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def register_load_state_pre_hook(self, hook: Callable[[list, str], None]) -> RemovableHandle:
-        """`hook(models, input_dir)` runs in `load_state` before the weights are read: the models it
-        pops from `models` (having loaded them itself) are not loaded again."""
-        handle = RemovableHandle(self._load_state_pre_hooks)
-        self._load_state_pre_hooks[handle.id] = hook
-        return handle
-
-    def save_state(self, output_dir: str | os.PathLike | None = None, safe_serialization: bool = True) -> str:
-        """Write models, optimizers, schedulers, scaler, RNG states, dataloader positions and
-        registered objects; the folder appears only once complete. Returns its path.
-
-        Without `output_dir`, `ProjectConfiguration(automatic_checkpoint_naming=True)` names it
-        `<project_dir>/checkpoints/checkpoint_<iteration>`; once it is complete, the oldest automatic
-        checkpoints past `total_limit` are removed, and the iteration advances."""
-        if not safe_serialization:
-            raise NotImplementedError("save_state always writes model weights as safetensors; drop "
-                                      "safe_serialization=False")
-        automatic = output_dir is None
-        target = next_checkpoint(self.project_configuration) if automatic else Path(output_dir)
-        saved = save_training_state(
-            target, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
-            schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
-            scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
-            is_main_process=self.is_main_process, barrier=self.wait_for_everyone,
-            save_hooks=list(self._save_state_pre_hooks.values()))
-        if automatic:
-            if self.is_main_process:
-                prune_checkpoints(self.project_configuration)
-            self.wait_for_everyone()
-        self.project_configuration.iteration += 1  # as Accelerate: every save_state advances it
-        return str(saved)
-
-    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True) -> None:
-        """Restore what save_state wrote into the objects prepared, in the same order. A missing or
-        incomplete checkpoint is an error naming the missing file. Without `input_dir`, the latest
-        complete automatic checkpoint (`ProjectConfiguration(automatic_checkpoint_naming=True)`),
-        and the next save_state() numbers after it. Dataloader positions come back only with
-        `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches.
-        `strict=False`: model weights may miss keys or hold extra ones."""
-        if input_dir is None:
-            number, input_dir = latest_checkpoint(self.project_configuration)
-            self.project_configuration.iteration = number + 1
-        load_training_state(
-            input_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
-            schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
-            scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
-            load_hooks=list(self._load_state_pre_hooks.values()), strict=strict)
-        self.wait_for_everyone()
-
-    def save(self, obj: Any, f: str | os.PathLike) -> None:
-        """`torch.save` on the main process only."""
-        if self.is_main_process:
-            torch.save(obj, f)
-        self.wait_for_everyone()
-
     def compile_report(self) -> CompileReport:
         """Per compiled region: instances sharing it, graphs, graph breaks, recompiles and their
         reasons, compile seconds, cache hits, calls that ran compiled and eagerly.
@@ -452,46 +357,6 @@ class Accelerator(ProcessAPI):
         >>> print(accelerator.compile_report().table())   # or .as_dict() for a logger
         """
         return self.compiler.report()
-
-    # ----- trackers ------------------------------------------------------------------------
-    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
-                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Start the trackers named by `log_with` (main process only), writing under `logging_dir`
-        (the project_dir unless ProjectConfiguration says otherwise).
-
-        init_kwargs: per tracker name, the keywords for its start, as in Accelerate
-        (`{"wandb": {"mode": "offline"}}` goes to `wandb.init`, "tensorboard" to `SummaryWriter`,
-        "mlflow" to `mlflow.start_run`)."""
-        init_kwargs = dict(init_kwargs or {})
-        stray = sorted(set(init_kwargs) - set(self.log_with))
-        if stray:
-            raise ValueError(f"init_kwargs names tracker(s) {stray} that log_with did not ask for "
-                             f"(log_with: {self.log_with})")
-        if "jsonl" in init_kwargs:
-            raise ValueError("the jsonl tracker takes no init_kwargs")
-        missing_dir = [name for name in self.log_with if TRACKERS[name].requires_logging_directory]
-        if missing_dir and self.logging_dir is None:
-            raise ValueError(f"the {', '.join(missing_dir)} tracker(s) write files: pass project_dir= (or "
-                             "ProjectConfiguration(logging_dir=)), the folder they write into")
-        if self.is_main_process:
-            self.trackers = [TRACKERS[name](project_name, self.logging_dir, config, self._tracking_warned,
-                                            **init_kwargs.get(name, {})) for name in self.log_with]
-
-    def log(self, values: dict[str, Any], step: int | None = None,
-            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
-        """Send `values` to every tracker, from the main process (no-op without trackers). Nested dicts
-        are logged leaf by leaf as `outer/inner`; a value that is not a scalar is skipped with one
-        warning naming its key. log_kwargs: per tracker name, extra keywords for its log call."""
-        log_to_trackers(self.trackers, values, step, log_kwargs or {}, self._tracking_warned)
-
-    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The started tracker called `name` (`unwrap=True`: its own object, e.g. the SummaryWriter)."""
-        for tracker in self.trackers:
-            if tracker.name == name:
-                return tracker.tracker if unwrap else tracker
-        if not self.is_main_process and name in self.log_with:
-            return BlankTracker(name)  # trackers run on the main process; elsewhere every call does nothing
-        raise ValueError(f"no tracker {name!r} was started; started: {[t.name for t in self.trackers]}")
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Drop Kiln's references to prepared objects and release cached device memory."""
@@ -517,20 +382,6 @@ class Accelerator(ProcessAPI):
         if report.regions:
             self.print(report.table())
         self.wait_for_everyone()
-
-
-def _project_configuration(config: ProjectConfiguration | None,
-                           project_dir: str | os.PathLike | None) -> ProjectConfiguration:
-    """The ProjectConfiguration, with `project_dir=` filled in (both given and different is an error)."""
-    if config is not None and not isinstance(config, ProjectConfiguration):
-        raise TypeError(f"project_config must be a ProjectConfiguration, got {type(config).__name__}")
-    config = config or ProjectConfiguration()
-    if project_dir is not None:
-        if config.project_dir is not None and Path(config.project_dir) != Path(project_dir):
-            raise ValueError(f"project_dir={str(project_dir)!r} but project_config.project_dir="
-                             f"{config.project_dir!r}; set it in one place")
-        config.set_directories(project_dir)
-    return config
 
 
 def _choose_dynamo_plugin(plugin: TorchDynamoPlugin | None, backend: str | None) -> TorchDynamoPlugin | None:

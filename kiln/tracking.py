@@ -2,6 +2,7 @@
 and MLflow when their packages are installed.
 
 Depends on the standard library; each tracker imports its own package only when it is started.
+`TrackingAPI` is the Accelerator's side of it (init_trackers, log, get_tracker).
 """
 
 from __future__ import annotations
@@ -272,3 +273,51 @@ def _as_number(value: Any) -> Any:
     if shape is not None and tuple(shape) == () and callable(getattr(value, "item", None)):
         return value.item()
     return value
+
+
+class TrackingAPI:
+    """Needs `log_with`, `logging_dir` and `is_main_process`; `_init_tracking` sets up its own state."""
+
+    def _init_tracking(self, log_with: Any) -> None:
+        self.log_with = check_log_with(log_with)
+        self.trackers: list[Any] = []
+        self._tracking_warned: set[str] = set()  # keys already named in a skipped-value warning
+
+    def init_trackers(self, project_name: str, config: dict[str, Any] | None = None,
+                      init_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Start the trackers named by `log_with` (main process only), writing under `logging_dir`
+        (the project_dir unless ProjectConfiguration says otherwise).
+
+        init_kwargs: per tracker name, the keywords for its start, as in Accelerate
+        (`{"wandb": {"mode": "offline"}}` goes to `wandb.init`, "tensorboard" to `SummaryWriter`,
+        "mlflow" to `mlflow.start_run`)."""
+        init_kwargs = dict(init_kwargs or {})
+        stray = sorted(set(init_kwargs) - set(self.log_with))
+        if stray:
+            raise ValueError(f"init_kwargs names tracker(s) {stray} that log_with did not ask for "
+                             f"(log_with: {self.log_with})")
+        if "jsonl" in init_kwargs:
+            raise ValueError("the jsonl tracker takes no init_kwargs")
+        missing_dir = [name for name in self.log_with if TRACKERS[name].requires_logging_directory]
+        if missing_dir and self.logging_dir is None:
+            raise ValueError(f"the {', '.join(missing_dir)} tracker(s) write files: pass project_dir= (or "
+                             "ProjectConfiguration(logging_dir=)), the folder they write into")
+        if self.is_main_process:
+            self.trackers = [TRACKERS[name](project_name, self.logging_dir, config, self._tracking_warned,
+                                            **init_kwargs.get(name, {})) for name in self.log_with]
+
+    def log(self, values: dict[str, Any], step: int | None = None,
+            log_kwargs: dict[str, dict[str, Any]] | None = None) -> None:
+        """Send `values` to every tracker, from the main process (no-op without trackers). Nested dicts
+        are logged leaf by leaf as `outer/inner`; a value that is not a scalar is skipped with one
+        warning naming its key. log_kwargs: per tracker name, extra keywords for its log call."""
+        log_to_trackers(self.trackers, values, step, log_kwargs or {}, self._tracking_warned)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker called `name` (`unwrap=True`: its own object, e.g. the SummaryWriter)."""
+        for tracker in self.trackers:
+            if tracker.name == name:
+                return tracker.tracker if unwrap else tracker
+        if not self.is_main_process and name in self.log_with:
+            return BlankTracker(name)  # trackers run on the main process; elsewhere every call does nothing
+        raise ValueError(f"no tracker {name!r} was started; started: {[t.name for t in self.trackers]}")
