@@ -1,34 +1,51 @@
 """Kiln: fast PyTorch training through torch.compile, on one device or many.
 
-The public names; each lives in the module named beside it.
+The public names; each lives in the module named beside it. The top-level names of Accelerate that
+scripts import (`from accelerate import ...`) are here too.
 """
 
 from kiln.accelerator import Accelerator
 from kiln.buckets import BucketCollator
 from kiln.checkpoint import load_model
+from kiln.compat import init_empty_weights
 from kiln.compile.regions import KilnCompileWarning, compile_regions, find_repeated_blocks
 from kiln.compile.report import CompileReport, compile_report
+from kiln.data import skip_first_batches
+from kiln.kwargs_handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
+                                  GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
 from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.project import ProjectConfiguration
-from kiln.state import DistributedType
+from kiln.state import AcceleratorState, DistributedType, PartialState
+from kiln.utils import find_executable_batch_size
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Accelerator",
+    "AcceleratorState",
+    "AutocastKwargs",
     "BucketCollator",
+    "CompileReport",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DeepSpeedPlugin",
-    "FullyShardedDataParallelPlugin",
-    "CompileReport",
+    "DistributedDataParallelKwargs",
     "DistributedType",
+    "FullyShardedDataParallelPlugin",
+    "GradScalerKwargs",
+    "InitProcessGroupKwargs",
     "KilnCompileWarning",
+    "PartialState",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "TorchDynamoPlugin",
     "compile_regions",
     "compile_report",
+    "find_executable_batch_size",
     "find_repeated_blocks",
+    "init_empty_weights",
     "load_model",
+    "skip_first_batches",
 ]

@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from kiln import collectives
-from kiln.accumulation import GradientState
+from kiln.accumulation import GradientAccumulationPlugin, check_steps
+from kiln.arguments import choose_dynamo_plugin, dataloader_settings, env_flag, gradient_state, handler_kwargs
 from kiln.checkpoint import clean_state_dict, save_state_dict
 from kiln.checkpoint_api import CheckpointAPI
 from kiln.activation_checkpointing import apply_activation_checkpointing
@@ -28,15 +29,18 @@ from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
 from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
-from kiln.plugins import DISABLED_BACKENDS, DataLoaderConfiguration, TorchDynamoPlugin, parse_bool
+from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.precision import Precision, remove_precision_wrapper
 from kiln.process_api import ProcessAPI
 from kiln.project import ProjectConfiguration
-from kiln.state import DistributedType, ProcessState
+from kiln.state import ProcessState, set_current
+from kiln.compat import AccelerateCompat, refuse_unsupported_arguments
+from kiln.kwargs_handlers import (AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs,
+                                  InitProcessGroupKwargs, KwargsHandler, ProfileKwargs, sort_handlers)
 from kiln.tracking import TrackingAPI
 
 
-class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
+class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
     """Makes a PyTorch training loop run compiled, in mixed precision, with gradient accumulation.
 
     >>> accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(use_regional_compilation=True),
@@ -47,42 +51,79 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
     def __init__(
         self,
         device_placement: bool = True,
+        split_batches: bool | None = None,
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int = 1,
         cpu: bool = False,
-        dynamo_plugin: TorchDynamoPlugin | None = None,
-        dynamo_backend: str | None = None,
-        step_scheduler_with_optimizer: bool = True,
         dataloader_config: DataLoaderConfiguration | None = None,
-        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        rng_types: list[str] | None = None,
         log_with: str | list[str] | None = None,
         project_dir: str | os.PathLike | None = None,
         project_config: ProjectConfiguration | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: list[KwargsHandler] | None = None,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
+        **unsupported: Any,
     ) -> None:
-        self.state = ProcessState(cpu=cpu or _env_flag("KILN_USE_CPU"))
+        refuse_unsupported_arguments(unsupported, rng_types=rng_types, deepspeed_plugin=deepspeed_plugin)
+        handlers = sort_handlers(kwargs_handlers)
+        group = handlers.get(InitProcessGroupKwargs, InitProcessGroupKwargs()).to_kwargs()
+        self.state = ProcessState(cpu=cpu or env_flag("KILN_USE_CPU"), **group)
+        set_current(self.state)
         self.device_placement = device_placement
-        self.precision = Precision(mixed_precision or os.environ.get("KILN_MIXED_PRECISION"), self.device)
-        self.gradient_state = GradientState(_accumulation_steps(gradient_accumulation_steps, deepspeed_plugin))
-        self.dynamo_plugin = _choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
+        self.precision = Precision(mixed_precision or os.environ.get("KILN_MIXED_PRECISION"), self.device,
+                                   scaler_kwargs=handler_kwargs(handlers, GradScalerKwargs),
+                                   autocast_kwargs=handler_kwargs(handlers, AutocastKwargs))
+        self.gradient_state = gradient_state(gradient_accumulation_steps, gradient_accumulation_plugin,
+                                              deepspeed_plugin)
+        self.dynamo_plugin = choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.dataloader_config = dataloader_config or DataLoaderConfiguration()
-        self.strategy = self._choose_strategy(fsdp_plugin, deepspeed_plugin)
+        self.dataloader_config = dataloader_settings(dataloader_config, split_batches)
+        self.profile_handler = handlers.get(ProfileKwargs)
+        self.strategy = self._choose_strategy(fsdp_plugin, deepspeed_plugin,
+                                              handlers.get(DistributedDataParallelKwargs))
         if self.strategy.owns_backward:
+            if GradScalerKwargs in handlers:
+                raise ValueError("GradScalerKwargs has no effect under DeepSpeed, whose engine scales fp16 losses "
+                                 "itself: set its loss scaling in the DeepSpeed config's fp16 section")
             self.precision.scaler = None  # the engine scales fp16 losses itself
         self.strategy.check_compile(self.dynamo_plugin)
+        self.state.mixed_precision = self.precision.mode
+        self.state.dynamo_plugin = self.dynamo_plugin
+        self.state.fsdp_plugin = fsdp_plugin if self.strategy.name == "fsdp" else None
+        self.state.deepspeed_plugin = deepspeed_plugin if self.strategy.name == "deepspeed" else None
+        if self.strategy.distributed_type is not None:
+            self.state.distributed_type = self.strategy.distributed_type
         # One shuffle seed for every process, so the sharded batches of an epoch agree.
         # torch.initial_seed() follows set_seed without drawing from (and shifting) the user's RNG.
-        self.data_seed = collectives.broadcast_object(torch.initial_seed() % 2**31)
+        seed = self.dataloader_config.data_seed
+        self.data_seed = collectives.broadcast_object(torch.initial_seed() % 2**31 if seed is None else seed)
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
         self._dataloaders: list[PreparedDataLoader] = []
         # Both what the user passed and what prepare returned, so neither is prepared twice.
         self._prepared: weakref.WeakSet = weakref.WeakSet()
+        self._trigger = False  # set_trigger / check_trigger
         self._init_tracking(log_with)
         self._init_checkpointing(project_config, project_dir)
         self.compiler = CompileSession(self.dynamo_plugin, is_writer=self.is_main_process)
+
+    @property
+    def native_amp(self) -> bool:
+        """Whether prepared models run under autocast; set it to False before `prepare` to leave
+        them without (as diffusers scripts do on Apple's MPS)."""
+        return self.precision.native_amp
+
+    @native_amp.setter
+    def native_amp(self, value: bool) -> None:
+        if self._models and bool(value) != self.precision.native_amp:
+            raise ValueError("native_amp changes how prepare wraps models: set it before the first prepare()")
+        self.precision.native_amp = bool(value) and self.precision.enabled
 
     @property
     def mixed_precision(self) -> str:
@@ -96,16 +137,27 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
     def gradient_accumulation_steps(self) -> int:
         return self.gradient_state.num_steps
 
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        if self.strategy.owns_backward:
+            raise ValueError("the DeepSpeed engine was built with its accumulation steps; they cannot change")
+        self.gradient_state.num_steps = check_steps(steps)
+
     @property
     def sync_gradients(self) -> bool:
         return self.gradient_state.sync_gradients
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        self.gradient_state.sync_gradients = bool(value)
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     def _choose_strategy(self, fsdp_plugin: FullyShardedDataParallelPlugin | None,
-                         deepspeed_plugin: DeepSpeedPlugin | None) -> Strategy:
+                         deepspeed_plugin: DeepSpeedPlugin | None,
+                         ddp_handler: DistributedDataParallelKwargs | None) -> Strategy:
         """From the plugins passed, else the launcher's KILN_DISTRIBUTED_TYPE, else DDP."""
         requested = os.environ.get("KILN_DISTRIBUTED_TYPE", "").strip().upper()
         known = ("", "NO", "MULTI_CPU", "MULTI_GPU", "DDP", "FSDP", "DEEPSPEED")
@@ -128,11 +180,9 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
             return FSDPStrategy(fsdp_plugin)
         if deepspeed_plugin is not None:
             return DeepSpeedStrategy(deepspeed_plugin, self.precision.mode, self.gradient_accumulation_steps)
-        return DDPStrategy(self.device)
-
-    @property
-    def distributed_type(self) -> DistributedType:
-        return self.strategy.distributed_type or self.state.distributed_type
+        if ddp_handler is None:
+            return DDPStrategy(self.device)
+        return DDPStrategy(self.device, ddp_handler.ddp_arguments(), ddp_handler.register_comm_hook)
 
     # ----- prepare -------------------------------------------------------------------------
     def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
@@ -217,9 +267,11 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
         self._refuse_second_prepare(dataloader)
         place = device_placement if device_placement is not None else self.device_placement
         self.compiler.check_dataloader(dataloader)
+        config = self.dataloader_config
         prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state,
                                       self.num_processes, self.process_index, self.data_seed,
-                                      stateful=self.dataloader_config.use_stateful_dataloader)
+                                      stateful=config.use_stateful_dataloader, split_batches=config.split_batches,
+                                      even_batches=config.even_batches, non_blocking=config.non_blocking)
         self._dataloaders.append(prepared)
         self._prepared.add(dataloader)
         self._prepared.add(prepared)
@@ -236,7 +288,9 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
                 UserWarning,
                 stacklevel=3,
             )
-        prepared = PreparedScheduler(scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer)
+        ticks = 1 if self.dataloader_config.split_batches else self.num_processes
+        prepared = PreparedScheduler(scheduler, optimizers, self.gradient_state, self.step_scheduler_with_optimizer,
+                                     ticks_per_step=ticks)
         self._schedulers.append(prepared)
         self._prepared.add(scheduler)
         self._prepared.add(prepared)
@@ -273,8 +327,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
         """One micro-batch: sets `sync_gradients` for the optimizer and scheduler steps inside it."""
         self.gradient_state.advance()
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
-                for model in models:
+            if not (self.sync_gradients or self.gradient_state.sync_each_batch):
+                for model in _flatten_models(models):
                     stack.enter_context(self.no_sync(model))
             yield
 
@@ -284,9 +338,10 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
         with self.strategy.no_sync(model):
             yield
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Autocast as configured by `mixed_precision`, for code outside the prepared model."""
-        return self.precision.autocast()
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
+        """Autocast as configured by `mixed_precision`, for code outside the prepared model; an
+        AutocastKwargs overrides the Accelerator's for this block."""
+        return self.precision.autocast(autocast_handler)
 
     def unscale_gradients(self, optimizer: PreparedOptimizer | None = None) -> None:
         for opt in [optimizer] if optimizer is not None else self._optimizers:
@@ -384,36 +439,12 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI):
         self.wait_for_everyone()
 
 
-def _choose_dynamo_plugin(plugin: TorchDynamoPlugin | None, backend: str | None) -> TorchDynamoPlugin | None:
-    if plugin is not None and backend is not None:
-        raise ValueError(
-            "pass either dynamo_plugin or dynamo_backend, not both "
-            "(dynamo_backend='x' is short for dynamo_plugin=TorchDynamoPlugin(backend='x'))"
-        )
-    if plugin is not None:
-        if not isinstance(plugin, TorchDynamoPlugin):
-            raise TypeError(f"dynamo_plugin must be a TorchDynamoPlugin, got {type(plugin).__name__}")
-        return plugin
-    backend = backend if backend is not None else os.environ.get("KILN_DYNAMO_BACKEND")
-    if backend is None or str(backend).strip().lower() in DISABLED_BACKENDS:
-        return None
-    return TorchDynamoPlugin(backend=backend)
-
-
-def _accumulation_steps(given: int, deepspeed_plugin: DeepSpeedPlugin | None) -> int:
-    """The Accelerator's accumulation steps, or DeepSpeedPlugin's when only that was set (as in Accelerate)."""
-    planned = deepspeed_plugin.gradient_accumulation_steps if deepspeed_plugin is not None else None
-    if planned is None or planned == given:
-        return given
-    if given != 1:
-        raise ValueError(f"gradient_accumulation_steps={given}, but DeepSpeedPlugin(gradient_accumulation_steps="
-                         f"{planned}); set it in one place")
-    return planned
-
-
-def _env_flag(name: str) -> bool:
-    raw = os.environ.get(name)
-    return parse_bool(raw, name) if raw is not None else False
+def _flatten_models(models: Iterable[Any]) -> list[nn.Module]:
+    """accumulate(model), accumulate(a, b) and accumulate([a, b]) (diffusers passes a list)."""
+    flat: list[nn.Module] = []
+    for model in models:
+        flat.extend(_flatten_models(model) if isinstance(model, (list, tuple)) else [model])
+    return flat
 
 
 def _is_scheduler(obj: Any) -> bool:

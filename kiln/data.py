@@ -6,6 +6,7 @@ Depends on torch and kiln.accumulation only.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
@@ -47,17 +48,21 @@ class ShardedBatchSampler:
     """
 
     def __init__(self, batch_sampler: Iterable[list[int]], batch_size: int, num_processes: int,
-                 process_index: int, drop_last: bool) -> None:
+                 process_index: int, drop_last: bool, even_batches: bool = True) -> None:
         self.batch_sampler = batch_sampler
         self.batch_size = batch_size
         self.num_processes = num_processes
         self.process_index = process_index
         self.drop_last = drop_last
+        self.even_batches = even_batches
         self.padded_samples = 0
 
     def _epoch_batches(self) -> list[list[int]]:
         batches = [list(b) for b in self.batch_sampler]
         rounds, extra = divmod(len(batches), self.num_processes)
+        if not (self.drop_last or self.even_batches):  # the last round stays short
+            self.padded_samples = 0
+            return batches
         if self.drop_last or not batches:
             self.padded_samples = 0
             return batches[: rounds * self.num_processes]
@@ -77,7 +82,11 @@ class ShardedBatchSampler:
 
     def __len__(self) -> int:
         total = len(self.batch_sampler)
-        return total // self.num_processes if self.drop_last else -(-total // self.num_processes)
+        if self.drop_last:
+            return total // self.num_processes
+        if not self.even_batches:
+            return len(range(self.process_index, total, self.num_processes))
+        return -(-total // self.num_processes)
 
     def set_epoch(self, epoch: int) -> None:
         sampler = getattr(self.batch_sampler, "sampler", None)
@@ -96,12 +105,13 @@ class ShardedIterable(IterableDataset):
     """
 
     def __init__(self, dataset: IterableDataset, per_process: int, num_processes: int, process_index: int,
-                 drop_last: bool) -> None:
+                 drop_last: bool, even_batches: bool = True) -> None:
         self.dataset = dataset
         self.per_process = per_process
         self.num_processes = num_processes
         self.process_index = process_index
         self.drop_last = drop_last
+        self.even_batches = even_batches
         self.padded_samples = 0
 
     def __iter__(self) -> Iterator[Any]:
@@ -116,7 +126,9 @@ class ShardedIterable(IterableDataset):
                 first = chunk if first is None else first
                 yield from chunk[mine]
                 chunk = []
-        if chunk and not self.drop_last:
+        if chunk and not self.drop_last and not self.even_batches:
+            yield from chunk[mine]  # the short last round: this process's part of it, maybe nothing
+        elif chunk and not self.drop_last:
             pool = first if first is not None else chunk
             need = size - len(chunk)
             chunk = chunk + (pool * (need // len(pool) + 1))[:need]
@@ -140,18 +152,27 @@ class SeededRandomSampler(RandomSampler):
         yield from super().__iter__()
 
 
-def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: int,
-                     seed: int) -> tuple[DataLoader, ShardedBatchSampler | None]:
+def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: int, seed: int,
+                     split_batches: bool = False,
+                     even_batches: bool = True) -> tuple[DataLoader, ShardedBatchSampler | None]:
     """A DataLoader that yields this process's batches only; the user's loader is not changed.
 
     A shuffling loader is rebuilt even on one process: its order then depends on (seed, epoch)
-    alone, so a run resumed mid-epoch sees the same order as the run it continues.
+    alone, so a run resumed mid-epoch sees the same order as the run it continues. With
+    `split_batches` the loader's batch is the global one: each process gets 1/W of it, which is
+    the same as dealing batches of B/W (W consecutive ones make up one batch of B).
     """
     reshuffle = type(dataloader.sampler) is RandomSampler and dataloader.generator is None
     if num_processes == 1 and not reshuffle:
         return dataloader, None
+    per_process = dataloader.batch_size
+    if split_batches and per_process is not None:
+        if per_process % num_processes:
+            raise ValueError(f"split_batches=True splits each batch of {per_process} over {num_processes} "
+                             "processes: use a batch size that divides by the number of processes")
+        per_process //= num_processes
     if isinstance(dataloader.dataset, IterableDataset):
-        return _shard_iterable(dataloader, num_processes, process_index)
+        return _shard_iterable(dataloader, num_processes, process_index, per_process, even_batches)
     if dataloader.batch_size is None:
         raise ValueError("a DataLoader with a custom batch_sampler cannot be sharded yet; "
                          "give it batch_size= and a sampler instead")
@@ -159,9 +180,9 @@ def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: 
     if reshuffle:
         sampler = SeededRandomSampler(dataloader.dataset, seed, replacement=sampler.replacement,
                                       num_samples=sampler._num_samples)
-    batch_sampler = BatchSampler(sampler, dataloader.batch_size, drop_last=dataloader.drop_last)
-    sharded = ShardedBatchSampler(batch_sampler, dataloader.batch_size, num_processes, process_index,
-                                  drop_last=dataloader.drop_last)
+    batch_sampler = BatchSampler(sampler, per_process, drop_last=dataloader.drop_last)
+    sharded = ShardedBatchSampler(batch_sampler, per_process, num_processes, process_index,
+                                  drop_last=dataloader.drop_last, even_batches=even_batches)
     kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
     kwargs.pop("generator", None)  # the sampler carries its own seeded generator
     if dataloader.num_workers > 0:
@@ -171,8 +192,8 @@ def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: 
     return DataLoader(dataloader.dataset, batch_sampler=sharded, **kwargs), sharded
 
 
-def _shard_iterable(dataloader: DataLoader, num_processes: int,
-                    process_index: int) -> tuple[DataLoader, ShardedIterable | None]:
+def _shard_iterable(dataloader: DataLoader, num_processes: int, process_index: int, per_process: int | None,
+                    even_batches: bool) -> tuple[DataLoader, ShardedIterable | None]:
     if num_processes == 1:
         return dataloader, None
     if dataloader.num_workers > 0:
@@ -180,10 +201,10 @@ def _shard_iterable(dataloader: DataLoader, num_processes: int,
         # the worker processes, where gather_for_metrics cannot see it.
         raise ValueError("an IterableDataset is sharded across processes in the main process: "
                          "prepare its DataLoader with num_workers=0 (or split the stream yourself)")
-    sharded = ShardedIterable(dataloader.dataset, dataloader.batch_size or 1, num_processes, process_index,
-                              drop_last=dataloader.drop_last)
+    sharded = ShardedIterable(dataloader.dataset, per_process or 1, num_processes, process_index,
+                              drop_last=dataloader.drop_last, even_batches=even_batches)
     kwargs = {name: getattr(dataloader, name) for name in ("collate_fn", "pin_memory", "timeout")}
-    return DataLoader(sharded, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last, **kwargs), sharded
+    return DataLoader(sharded, batch_size=per_process, drop_last=dataloader.drop_last, **kwargs), sharded
 
 
 class PreparedDataLoader:
@@ -196,13 +217,16 @@ class PreparedDataLoader:
     """
 
     def __init__(self, dataloader: DataLoader, device: torch.device | None, gradient_state: GradientState,
-                 num_processes: int = 1, process_index: int = 0, seed: int = 0, stateful: bool = False) -> None:
+                 num_processes: int = 1, process_index: int = 0, seed: int = 0, stateful: bool = False,
+                 split_batches: bool = False, even_batches: bool = True, non_blocking: bool = False) -> None:
         self.base_dataloader = dataloader
         self.device = device
+        self.non_blocking = non_blocking
         self.gradient_state = gradient_state
         self.end_of_dataloader = False
         # A ShardedBatchSampler, or a ShardedIterable for a stream; None when nothing is sharded.
-        self.loader, self.sharded_sampler = shard_dataloader(dataloader, num_processes, process_index, seed)
+        self.loader, self.sharded_sampler = shard_dataloader(dataloader, num_processes, process_index, seed,
+                                                             split_batches, even_batches)
         self.stateful = stateful
         self.epoch = 0
         self.batches_yielded = 0  # in the current pass
@@ -280,13 +304,26 @@ class PreparedDataLoader:
         sampler = getattr(sampler, "sampler", None)
         return sampler if isinstance(sampler, SeededRandomSampler) else None
 
+    @contextlib.contextmanager
+    def even_batches_set_to(self, even_batches: bool) -> Iterator[None]:
+        """Deal this loader's epochs evenly or not for the duration of the block (join_uneven_inputs)."""
+        if self.sharded_sampler is None:  # nothing is dealt out: every batch is this process's
+            yield
+            return
+        before = self.sharded_sampler.even_batches
+        self.sharded_sampler.even_batches = even_batches
+        try:
+            yield
+        finally:
+            self.sharded_sampler.even_batches = before
+
     @property
     def padded_samples(self) -> int:
         """Samples repeated at the end of this epoch to even out the processes."""
         return self.sharded_sampler.padded_samples if self.sharded_sampler is not None else 0
 
     def _place(self, batch: Any) -> Any:
-        return batch if self.device is None else move_to_device(batch, self.device)
+        return batch if self.device is None else move_to_device(batch, self.device, self.non_blocking)
 
     def __len__(self) -> int:
         return len(self.loader)

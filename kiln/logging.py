@@ -5,22 +5,46 @@ Depends on the standard library only (the process index comes from the launcher'
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
 
 class ProcessAwareLogger(logging.LoggerAdapter):
-    """`logger.info(msg, main_process_only=False)` logs on every process; the default, on rank 0 only."""
+    """`logger.info(msg, main_process_only=False)` logs on every process; the default, on rank 0 only.
+    `in_order=True` (with main_process_only=False) logs process by process, in rank order (a
+    collective: call it on every process)."""
 
-    def log(self, level: int, msg: Any, *args: Any, main_process_only: bool = True, **kwargs: Any) -> None:
+    def log(self, level: int, msg: Any, *args: Any, main_process_only: bool = True, in_order: bool = False,
+            **kwargs: Any) -> None:
         if not self.isEnabledFor(level):
             return
         rank = int(os.environ.get("RANK", "0"))
-        if main_process_only and rank != 0:
+        if main_process_only:
+            if rank == 0:
+                self._emit(level, msg, args, kwargs)
             return
+        if not in_order:
+            self._emit(level, msg, args, kwargs)
+            return
+        import torch.distributed as dist
+
+        turns = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        for turn in range(turns):
+            if turn == rank:
+                self._emit(level, msg, args, kwargs)
+            if turns > 1:
+                dist.barrier()
+
+    def _emit(self, level: int, msg: Any, args: tuple, kwargs: dict) -> None:
         msg, kwargs = self.process(msg, kwargs)
         self.logger.log(level, msg, *args, **kwargs)
+
+    @functools.lru_cache(None)  # noqa: B019 (one entry per message, for the life of the logger)
+    def warning_once(self, *args: Any, **kwargs: Any) -> None:
+        """`warning`, once per distinct message."""
+        self.warning(*args, **kwargs)
 
     def debug(self, msg: Any, *args: Any, **kwargs: Any) -> None:
         self.log(logging.DEBUG, msg, *args, **kwargs)

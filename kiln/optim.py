@@ -92,22 +92,36 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
 
 class PreparedScheduler:
-    """Wraps the user's LR scheduler; steps only when its optimizers really stepped."""
+    """Wraps the user's LR scheduler; steps only when its optimizers really stepped.
+
+    As Accelerate's does, it steps the scheduler `ticks_per_step` times per optimizer step: the
+    number of processes, unless batches are split (then once). Scripts written for Accelerate
+    size their schedules for this (`num_warmup_steps * accelerator.num_processes`), so their
+    learning rate per optimizer step is the same on any number of processes.
+    """
 
     def __init__(self, scheduler: Any, optimizers: list[PreparedOptimizer],
-                 gradient_state: GradientState, step_with_optimizer: bool = True) -> None:
+                 gradient_state: GradientState, step_with_optimizer: bool = True, ticks_per_step: int = 1) -> None:
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.gradient_state = gradient_state
         self.step_with_optimizer = step_with_optimizer
+        self.ticks_per_step = ticks_per_step
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self.step_with_optimizer:
-            if not self.gradient_state.sync_gradients:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        for _ in range(self.ticks_per_step):
+            # OneCycleLR raises past its total_steps; a short last batch can take it there.
+            total = getattr(self.scheduler, "total_steps", None)
+            if total is not None and self.scheduler._step_count > total:
                 return
-            if any(opt.step_was_skipped for opt in self.optimizers):
-                return
-        self.scheduler.step(*args, **kwargs)
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()

@@ -195,15 +195,39 @@ def validate_mode_and_options(backend: str | Callable, mode: str | None, options
 
 @dataclass
 class DataLoaderConfiguration:
-    """How `prepare` treats dataloaders.
+    """How `prepare` treats dataloaders (Accelerate's fields).
 
+    split_batches: the loader's batch size is the global batch, split over the processes (it must
+    divide by their number), and a scheduler steps once per optimizer step; off (the default), each
+    process gets whole batches of that size, and a prepared scheduler steps once per process per
+    optimizer step, as in Accelerate. even_batches: every process gets as many batches as the
+    others, the last round filled with samples from the epoch's start (`gather_for_metrics` drops
+    them); off, the last round is left short and some processes get one batch fewer (a DDP model
+    then needs `accelerator.join_uneven_inputs`). data_seed: the shuffle seed shared by every
+    process (default: torch's initial seed, which `set_seed` sets). non_blocking: copy batches to
+    the device asynchronously (with pinned memory). use_seedable_sampler: Kiln's shuffle always
+    depends on (seed, epoch) only, so True and False behave alike. dispatch_batches: only None or
+    False (every process reads its own share); the main process cannot dispatch batches.
     use_stateful_dataloader: `save_state` records how far into the epoch each dataloader is and
     `load_state` resumes there. Leave it off to resume with `skip_first_batches` instead (never
     both: batches would be skipped twice, and Kiln refuses that).
     """
 
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+    even_batches: bool = True
+    use_seedable_sampler: bool = False
+    data_seed: int | None = None
+    non_blocking: bool = False
     use_stateful_dataloader: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.use_stateful_dataloader, bool):
-            raise TypeError(f"use_stateful_dataloader must be a bool, got {self.use_stateful_dataloader!r}")
+        for name in ("split_batches", "even_batches", "use_seedable_sampler", "non_blocking",
+                     "use_stateful_dataloader"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"DataLoaderConfiguration.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.dispatch_batches:
+            raise NotImplementedError("dispatch_batches=True is not supported: in Kiln every process reads the "
+                                      "data and keeps its own share (streams too); leave dispatch_batches unset")
+        if self.data_seed is not None and (isinstance(self.data_seed, bool) or not isinstance(self.data_seed, int)):
+            raise TypeError(f"data_seed must be an int, got {self.data_seed!r}")

@@ -24,6 +24,8 @@ def check_mixed_precision(value: str | None) -> str:
     if value is None:
         return "no"
     lowered = str(value).strip().lower()
+    if lowered == "fp8":
+        raise NotImplementedError("mixed_precision='fp8' is not supported by Kiln; use 'bf16' or 'fp16'")
     if lowered not in PRECISIONS:
         raise ValueError(f"unknown mixed_precision {value!r}; choose one of: {', '.join(PRECISIONS)}")
     return lowered
@@ -32,25 +34,35 @@ def check_mixed_precision(value: str | None) -> str:
 class Precision:
     """The autocast settings and (for fp16) the gradient scaler of one `Accelerator`."""
 
-    def __init__(self, mixed_precision: str, device: torch.device) -> None:
+    def __init__(self, mixed_precision: str, device: torch.device, scaler_kwargs: dict[str, Any] | None = None,
+                 autocast_kwargs: dict[str, Any] | None = None) -> None:
         self.mode = check_mixed_precision(mixed_precision)
         self.dtype = PRECISIONS[self.mode]
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(device.type) if self.mode == "fp16" else None
+        autocast_kwargs = dict(autocast_kwargs or {})
+        # Accelerate's `native_amp`: whether prepared models run under autocast (AutocastKwargs(enabled=False)
+        # or `accelerator.native_amp = False` before prepare turn it off).
+        self.native_amp = self.dtype is not None and autocast_kwargs.pop("enabled", True)
+        self.autocast_kwargs = autocast_kwargs
+        self.scaler = torch.amp.GradScaler(device.type, **(scaler_kwargs or {})) if self.mode == "fp16" else None
 
     @property
     def enabled(self) -> bool:
         return self.dtype is not None
 
-    def autocast(self) -> contextlib.AbstractContextManager:
-        """Autocast to the chosen dtype, or nothing when mixed precision is off."""
-        if not self.enabled:
+    def autocast(self, autocast_handler: Any = None) -> contextlib.AbstractContextManager:
+        """Autocast to the chosen dtype, or nothing when mixed precision is off; an AutocastKwargs
+        given here overrides the Accelerator's for this block."""
+        if not self.native_amp:  # mixed precision off, or autocast turned off (as Accelerate's native_amp)
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        kwargs = dict(self.autocast_kwargs)
+        if autocast_handler is not None:  # enabled=False switches autocast off inside an outer one too
+            kwargs.update(autocast_handler.to_kwargs())
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **kwargs)
 
     def wrap_forward(self, model: nn.Module) -> None:
         """Run `model.forward` under autocast and hand back floating outputs in fp32, in place."""
-        if not self.enabled or _FORWARD_BEFORE in vars(model):
+        if not self.native_amp or _FORWARD_BEFORE in vars(model):
             return
         inner = model.forward
         precision = self

@@ -105,6 +105,27 @@ class ProcessAPI:
         if self.is_main_process:
             self.wait_for_everyone()
 
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """On each machine, its first process runs the block first, then the others."""
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    def set_trigger(self) -> None:
+        """Raise this process's flag; `check_trigger` on every process then sees it (early stopping)."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called `set_trigger` since the last check (a collective:
+        call it on every process); the flag is lowered again."""
+        raised = collectives.reduce(torch.tensor([1.0 if getattr(self, "_trigger", False) else 0.0],
+                                                 device=self.device), "sum")
+        self._trigger = False
+        return bool(raised.item() > 0)
+
     def on_main_process(self, function: Callable) -> Callable:
         """Decorator: the function runs on the main process only (returns None elsewhere)."""
         @functools.wraps(function)

@@ -24,11 +24,18 @@ class DistributedType(str, enum.Enum):
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
-    MULTI_NPU = "MULTI_NPU"
-    MULTI_XPU = "MULTI_XPU"
     FSDP = "FSDP"
     DEEPSPEED = "DEEPSPEED"
+    # Kiln never runs these; they exist so that scripts comparing against them read as in Accelerate.
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
     XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
 
 
 class ProcessState:
@@ -39,7 +46,14 @@ class ProcessState:
     collective waits for a process that died, so the others exit with an error instead of hanging.
     """
 
-    def __init__(self, cpu: bool = False) -> None:
+    def __init__(self, cpu: bool = False, backend: str | None = None, init_method: str | None = None,
+                 timeout: datetime.timedelta | None = None) -> None:
+        self.backend_asked, self.init_method, self.timeout = backend, init_method, timeout
+        # Set by the Accelerator that owns this state (AcceleratorState's fields in Accelerate).
+        self.mixed_precision = "no"
+        self.deepspeed_plugin: object | None = None
+        self.fsdp_plugin: object | None = None
+        self.dynamo_plugin: object | None = None
         self.num_processes = int(os.environ.get("WORLD_SIZE", "1"))
         self.process_index = int(os.environ.get("RANK", "0"))
         self.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))
@@ -69,14 +83,27 @@ class ProcessState:
             if name not in os.environ:
                 raise RuntimeError(f"WORLD_SIZE={self.num_processes} but {name} is not set; start the "
                                    "processes with `kiln launch` or torchrun, which set it")
-        timeout = float(os.environ.get("KILN_PROCESS_GROUP_TIMEOUT", DEFAULT_TIMEOUT_S))
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
+        timeout = self.timeout or datetime.timedelta(
+            seconds=float(os.environ.get("KILN_PROCESS_GROUP_TIMEOUT", DEFAULT_TIMEOUT_S)))
+        backend = self.backend_asked or ("nccl" if self.device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, init_method=self.init_method, timeout=timeout,
                                 rank=self.process_index, world_size=self.num_processes)
+
+    @property
+    def backend(self) -> str | None:
+        return dist.get_backend() if dist.is_available() and dist.is_initialized() else None
 
     @property
     def use_distributed(self) -> bool:
         return self.num_processes > 1
+
+    def __repr__(self) -> str:
+        """As Accelerate's AcceleratorState prints itself (scripts log `accelerator.state`)."""
+        backend = f"  Backend: {self.backend}" if self.backend else ""
+        return (f"Distributed environment: {self.distributed_type.value}{backend}\n"
+                f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+                f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+                f"Mixed precision type: {self.mixed_precision}\n")
 
     @property
     def is_main_process(self) -> bool:
@@ -98,3 +125,35 @@ class ProcessState:
         """Leave the process group (the end of a run); safe to call twice."""
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+_CURRENT: ProcessState | None = None  # the state of the last Accelerator made in this process
+
+
+def set_current(state: ProcessState) -> None:
+    global _CURRENT
+    _CURRENT = state
+
+
+def is_initialized() -> bool:
+    """Whether an Accelerator exists in this process (`accelerate.state.is_initialized`)."""
+    return _CURRENT is not None
+
+
+def AcceleratorState() -> ProcessState:  # noqa: N802 (Accelerate's class name; here it reads the shared state)
+    """The state of this process's Accelerator: distributed type, processes, device, mixed
+    precision, the DeepSpeed and FSDP plugins. An error before any Accelerator was made."""
+    if _CURRENT is None:
+        raise RuntimeError("AcceleratorState() reads the state of an Accelerator, and none was made yet: "
+                           "create the Accelerator first (or check kiln.state.is_initialized())")
+    return _CURRENT
+
+
+def PartialState(cpu: bool = False) -> ProcessState:  # noqa: N802
+    """The process facts (rank, world size, device) without an Accelerator: the Accelerator's state
+    when one exists, else a new one (which joins the process group under a launcher)."""
+    if _CURRENT is not None:
+        return _CURRENT
+    state = ProcessState(cpu=cpu)
+    set_current(state)
+    return state

@@ -8,7 +8,7 @@ in place inside the module DDP wraps).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -20,15 +20,20 @@ from kiln.parallel.base import Strategy
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def __init__(self, device: torch.device, **ddp_kwargs: Any) -> None:
+    def __init__(self, device: torch.device, ddp_kwargs: dict[str, Any] | None = None,
+                 comm_hook: Callable[[DistributedDataParallel], None] | None = None) -> None:
         self.device = device
-        self.ddp_kwargs = ddp_kwargs
+        self.ddp_kwargs = dict(ddp_kwargs or {})  # DistributedDataParallelKwargs' non-default fields
+        self.comm_hook = comm_hook
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (a frozen or evaluation-only model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **self.ddp_kwargs)
+        if self.comm_hook is not None:
+            self.comm_hook(wrapped)
+        return wrapped
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

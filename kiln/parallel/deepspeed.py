@@ -80,6 +80,14 @@ class DeepSpeedPlugin:
                 raise ValueError(f"{name} must be one of {', '.join(OFFLOAD_DEVICES)}, got {value!r}")
             setattr(self, name, None if value is None else str(value).lower())
 
+    @property
+    def deepspeed_config(self) -> dict:
+        """The DeepSpeed config as a dict that scripts may change before `prepare` (Accelerate's
+        `deepspeed_plugin.deepspeed_config`); Kiln fills its "auto" values when the engine is built."""
+        if self.hf_ds_config is None:
+            self.hf_ds_config = {}
+        return self.hf_ds_config
+
     @classmethod
     def from_env(cls) -> "DeepSpeedPlugin":
         """The settings `kiln launch` passes to every process (KILN_DEEPSPEED_*)."""

@@ -157,7 +157,9 @@ def main() -> None:
     model = build_model(args)
     optimizer = build_optimizer(args, model)
     # Halving the rate each step makes a scheduler that did not reach the optimizer change the losses.
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    # A prepared scheduler ticks once per process per optimizer step (as in Accelerate), so the
+    # schedule is sized in ticks, the way Accelerate scripts size theirs.
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=acc.num_processes, gamma=0.5)
     model, optimizer, loader, eval_loader, scheduler = acc.prepare(model, optimizer, loader, eval_loader, scheduler)
     teacher = None
     if args.teacher:  # frozen: every strategy must take it alongside the trained model

@@ -1,0 +1,221 @@
+"""Accelerate names that Kiln does not support: each fails at once, with a NotImplementedError that
+says so and what to use, rather than missing (an ImportError far from the cause) or doing nothing;
+and `AccelerateCompat`, the Accelerator's smaller Accelerate attributes.
+
+Depends on nothing in Kiln at import (profile() reads kiln.kwargs_handlers when called).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any, Callable, Iterator
+
+# Accelerator() arguments of Accelerate that Kiln does not take, and what to do instead.
+_UNSUPPORTED_ARGUMENTS = {
+    "torch_tp_plugin": "tensor parallelism is not supported; use FSDP2 (fsdp_plugin=) or DeepSpeed",
+    "megatron_lm_plugin": "Megatron-LM is not supported; use FSDP2 (fsdp_plugin=) or DeepSpeed",
+    "deepspeed_plugins": "several DeepSpeed plugins (one per model) are not supported; Kiln trains one model "
+                         "per DeepSpeed engine: pass deepspeed_plugin=",
+    "parallelism_config": "ParallelismConfig (tensor, context or sequence parallelism) is not supported; use "
+                          "fsdp_plugin= or deepspeed_plugin=",
+}
+
+
+def refuse_unsupported_arguments(unsupported: dict[str, Any], *, rng_types: Any, deepspeed_plugin: Any) -> None:
+    """Accelerator arguments Kiln does not take: a NotImplementedError for Accelerate's, a TypeError
+    for names Accelerate does not have either."""
+    for name, value in unsupported.items():
+        if name not in _UNSUPPORTED_ARGUMENTS:
+            raise TypeError(f"Accelerator() got an unexpected keyword argument {name!r}")
+        if value is not None:
+            raise NotImplementedError(f"Accelerator({name}=...): {_UNSUPPORTED_ARGUMENTS[name]}")
+    if rng_types is not None:
+        raise NotImplementedError("rng_types is not supported: Kiln's shuffles depend on (seed, epoch) only, so "
+                                  "every process draws the same order without synchronising generators; "
+                                  "drop rng_types")
+    if isinstance(deepspeed_plugin, dict):
+        raise NotImplementedError("a dict of DeepSpeed plugins (one per model) is not supported; Kiln trains one "
+                                  "model per DeepSpeed engine: pass one DeepSpeedPlugin")
+
+
+class _Unsupported:
+    """Importable, so a script fails where it uses the name, with the reason and the alternative."""
+
+    reason = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} is not supported by Kiln: {self.reason}")
+
+
+class DummyOptim(_Unsupported):
+    reason = ("Kiln never builds DeepSpeed's optimizer from its config (an `optimizer` section is refused); "
+              "create a torch optimizer, e.g. torch.optim.AdamW(params, lr=...), and prepare it with the model")
+
+
+class DummyScheduler(_Unsupported):
+    reason = ("Kiln never builds DeepSpeed's scheduler from its config (a `scheduler` section is refused); "
+              "create a torch LR scheduler and prepare it")
+
+
+class MegatronLMDummyScheduler(_Unsupported):
+    reason = "Megatron-LM is not supported; use a torch LR scheduler"
+
+
+class LocalSGD(_Unsupported):
+    reason = "local SGD (periodic parameter averaging) is not supported; DDP averages gradients every step"
+
+
+class FP8RecipeKwargs(_Unsupported):
+    reason = "fp8 training is not supported; use mixed_precision='bf16'"
+
+
+def init_empty_weights(*args: Any, **kwargs: Any) -> Any:
+    raise NotImplementedError("init_empty_weights is not supported by Kiln; build the model inside "
+                              "`with torch.device('meta'):` and materialise it with `model.to_empty(device=...)` "
+                              "(buffers then need re-initialising, which Accelerate's helper avoided)")
+
+
+class AccelerateCompat:
+    """The Accelerator's smaller Accelerate attributes: settings read back, ranks of parallelism Kiln
+    does not do, process decorators, uneven inputs, the profiler, and methods it refuses. Needs the
+    Accelerator's `dataloader_config`, `strategy`, `state`, `_dataloaders`, `profile_handler` and
+    process facts."""
+
+    # ----- settings read back --------------------------------------------------------------
+    @property
+    def deepspeed_plugin(self) -> Any:
+        return self.state.deepspeed_plugin
+
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
+
+    @property
+    def is_fsdp2(self) -> bool:
+        return self.strategy.name == "fsdp"
+
+    @property
+    def multi_device(self) -> bool:
+        return self.device.type == "cuda" and self.num_processes > 1
+
+    @property
+    def should_save_model(self) -> bool:
+        """Whether this process writes model files (the main one; sharded saves gather there)."""
+        return self.is_main_process
+
+    # ----- parallelism Kiln does not do: data parallel only -----------------------------------
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.process_index
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        return self.process_index
+
+    tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = property(lambda self: 0)
+    torch_device_mesh = parallelism_config = fp8_backend = property(lambda self: None)
+    is_composable_parallelism_enabled = property(lambda self: False)
+
+    # ----- decorators ------------------------------------------------------------------------
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self._on(function, lambda: self.is_local_main_process)
+
+    def on_last_process(self, function: Callable) -> Callable:
+        return self._on(function, lambda: self.is_last_process)
+
+    def on_process(self, function: Callable | None = None, process_index: int | None = None) -> Callable:
+        if function is None:
+            return lambda f: self.on_process(f, process_index)
+        return self._on(function, lambda: self.process_index == process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int | None = None) -> Callable:
+        if function is None:
+            return lambda f: self.on_local_process(f, local_process_index)
+        return self._on(function, lambda: self.local_process_index == local_process_index)
+
+    @staticmethod
+    def _on(function: Callable, here: Callable[[], bool]) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return function(*args, **kwargs) if here() else None
+        return wrapper
+
+    def clear(self, *objects: Any) -> list[None]:
+        """Accelerate's other name for `free_memory`."""
+        return self.free_memory(*objects)
+
+    def verify_device_map(self, model: Any) -> bool:
+        """True when the model was spread over several devices with a `device_map`."""
+        device_map = getattr(model, "hf_device_map", None)
+        return bool(device_map) and len(set(device_map.values())) > 1
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: list[Any], even_batches: bool | None = None) -> Iterator[None]:
+        """Train DDP models on processes that hold different numbers of batches
+        (`DataLoaderConfiguration(even_batches=False)`): processes that run out take part in the
+        others' gradient reductions (torch's `Join`). `even_batches` changes the prepared
+        dataloaders' setting for the block, as in Accelerate."""
+        from torch.distributed.algorithms.join import Join
+
+        if self.strategy.name not in ("ddp", "single"):
+            raise NotImplementedError(f"join_uneven_inputs works with DDP only, not {self.strategy.name}: "
+                                      "keep even_batches=True")
+        with contextlib.ExitStack() as stack:
+            if even_batches is not None:
+                for loader in self._dataloaders:
+                    stack.enter_context(loader.even_batches_set_to(even_batches))
+            joinable = [j for j in joinables if hasattr(j, "join_hook")]  # DDP models (one process: none)
+            if joinable:
+                stack.enter_context(Join(joinable))
+            yield
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None) -> Iterator[Any]:
+        """A `torch.profiler.profile` built from ProfileKwargs (this call's, else the Accelerator's
+        kwargs_handlers', else the defaults); with `output_trace_dir` the main process writes a
+        Chrome trace there at the end."""
+        from kiln.kwargs_handlers import ProfileKwargs
+
+        handler = profile_handler or self.profile_handler or ProfileKwargs()
+        with handler.build() as profiler:
+            yield profiler
+        if handler.output_trace_dir and self.is_main_process:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"trace_rank{self.process_index}.json"))
+
+    # ----- refused -----------------------------------------------------------------------------
+    def lomo_backward(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("lomo_backward (the LOMO optimizer) is not supported by Kiln; use a torch "
+                                  "optimizer with accelerator.backward")
+
+    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("context parallelism is not supported by Kiln")
+
+    def trigger_sync_in_backward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("trigger_sync_in_backward is not supported by Kiln; leave the accumulation "
+                                  "window to accelerator.accumulate, or use GradientAccumulationPlugin(sync_each_batch=True)")
+
+    def deepspeed_ulysses_dl_adapter(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("DeepSpeed Ulysses sequence parallelism is not supported by Kiln")
