@@ -98,10 +98,6 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         self.state.deepspeed_plugin = deepspeed_plugin if self.strategy.name == "deepspeed" else None
         if self.strategy.distributed_type is not None:
             self.state.distributed_type = self.strategy.distributed_type
-        # One shuffle seed for every process, so the sharded batches of an epoch agree.
-        # torch.initial_seed() follows set_seed without drawing from (and shifting) the user's RNG.
-        seed = self.dataloader_config.data_seed
-        self.data_seed = collectives.broadcast_object(torch.initial_seed() % 2**31 if seed is None else seed)
         self._models: list[nn.Module] = []
         self._optimizers: list[PreparedOptimizer] = []
         self._schedulers: list[PreparedScheduler] = []
@@ -112,6 +108,14 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         self._init_tracking(log_with)
         self._init_checkpointing(project_config, project_dir)
         self.compiler = CompileSession(self.dynamo_plugin, is_writer=self.is_main_process)
+
+    @property
+    def data_seed(self) -> int:
+        """The shuffle seed of the dataloaders prepared now: DataLoaderConfiguration(data_seed=), else
+        torch's initial seed, which follows `set_seed` (scripts call it after making the Accelerator)
+        without drawing from, and so shifting, the user's RNG."""
+        seed = self.dataloader_config.data_seed
+        return torch.initial_seed() % 2**31 if seed is None else seed
 
     @property
     def native_amp(self) -> bool:
@@ -269,7 +273,9 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         self.compiler.check_dataloader(dataloader)
         config = self.dataloader_config
         prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state,
-                                      self.num_processes, self.process_index, self.data_seed,
+                                      self.num_processes, self.process_index,
+                                      # one seed for every process, so the sharded batches of an epoch agree
+                                      collectives.broadcast_object(self.data_seed),
                                       stateful=config.use_stateful_dataloader, split_batches=config.split_batches,
                                       even_batches=config.even_batches, non_blocking=config.non_blocking)
         self._dataloaders.append(prepared)

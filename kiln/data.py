@@ -184,7 +184,10 @@ def shard_dataloader(dataloader: DataLoader, num_processes: int, process_index: 
     sharded = ShardedBatchSampler(batch_sampler, per_process, num_processes, process_index,
                                   drop_last=dataloader.drop_last, even_batches=even_batches)
     kwargs = {name: getattr(dataloader, name) for name in _LOADER_ARGS if hasattr(dataloader, name)}
-    kwargs.pop("generator", None)  # the sampler carries its own seeded generator
+    # The sampler carries its own seeded generator; the loader gets one too (reseeded each epoch by
+    # PreparedDataLoader), so that iterating it never draws from the global RNG: a draw there would
+    # shift dropout after a mid-epoch resume, which iterates the epoch once more.
+    kwargs["generator"] = torch.Generator()
     if dataloader.num_workers > 0:
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     else:
@@ -228,6 +231,7 @@ class PreparedDataLoader:
         self.loader, self.sharded_sampler = shard_dataloader(dataloader, num_processes, process_index, seed,
                                                              split_batches, even_batches)
         self.stateful = stateful
+        self.seed = seed
         self.epoch = 0
         self.batches_yielded = 0  # in the current pass
         self.pending_skip = 0  # restored by load_state on a stateful loader; used by the next pass
@@ -249,7 +253,7 @@ class PreparedDataLoader:
         self.end_of_dataloader = False
         self.batches_yielded = skip
         try:
-            iterator = iter(self.loader)
+            iterator = self._start_pass()
             for _ in range(skip):
                 next(iterator, None)
             try:
@@ -273,6 +277,21 @@ class PreparedDataLoader:
                 current = upcoming
         finally:
             self.gradient_state.end_dataloader(self)
+
+    def _start_pass(self) -> Iterator[Any]:
+        """`iter(self.loader)` without a draw from the global RNG (a DataLoader draws its workers' base
+        seed from its generator, or from the global RNG when it has none): a run resumed mid-epoch
+        iterates the epoch again, and that draw would shift its dropout from the uninterrupted run's."""
+        generator = self.loader.generator
+        if generator is not None and self.loader is not self.base_dataloader:
+            generator.manual_seed(self.seed * 1_000_003 + self.epoch)  # ours: workers' seeds follow (seed, epoch)
+        if generator is not None:
+            return iter(self.loader)
+        state = torch.get_rng_state()
+        try:
+            return iter(self.loader)
+        finally:
+            torch.set_rng_state(state)
 
     def _apply_epoch(self) -> None:
         dataset = self.base_dataloader.dataset

@@ -69,3 +69,29 @@ def test_a_stream_is_told_the_epoch():
 def test_a_stream_with_worker_processes_is_refused():
     with pytest.raises(ValueError, match="num_workers=0"):
         PreparedDataLoader(DataLoader(Stream(4), batch_size=2, num_workers=1), None, GradientState(), 2, 0)
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_iterating_a_prepared_loader_never_draws_from_the_global_rng(shuffle):
+    """A draw there would shift dropout after a mid-epoch resume, which iterates the epoch again."""
+    loader = PreparedDataLoader(DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2, shuffle=shuffle),
+                                None, GradientState(), seed=0)
+    torch.manual_seed(5)
+    expected = torch.rand(1)
+    torch.manual_seed(5)
+    for _ in loader:
+        pass
+    assert torch.equal(torch.rand(1), expected)
+
+
+def test_set_seed_after_the_accelerator_decides_the_shuffle():
+    from kiln import Accelerator
+    from kiln.utils import set_seed
+
+    orders = []
+    for seed in (1, 1, 2):
+        acc = Accelerator()  # Accelerate scripts seed after making the Accelerator
+        set_seed(seed)
+        loader = acc.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=8, shuffle=True))
+        orders.append(next(iter(loader))[0].tolist())
+    assert orders[0] == orders[1] != orders[2]
