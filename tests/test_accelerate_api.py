@@ -328,3 +328,17 @@ def test_logger_in_order_and_warning_once(caplog):
         for _ in range(3):
             logger.warning_once("once")
     assert [r.getMessage() for r in caplog.records] == ["each process", "once"]
+
+
+def test_availability_checks_answer_for_this_machine():
+    import importlib.util
+
+    for name in ("deepspeed", "transformers", "datasets", "tensorboard", "wandb", "mlflow", "schedulefree"):
+        assert getattr(kiln.utils, f"is_{name}_available")() == (importlib.util.find_spec(name) is not None)
+    assert kiln.utils.is_cuda_available() == torch.cuda.is_available()
+    assert kiln.utils.is_npu_available() is False and isinstance(kiln.utils.is_xpu_available(), bool)
+    assert isinstance(kiln.utils.is_mps_available(), bool) and isinstance(kiln.utils.is_bf16_available(), bool)
+    acc = Accelerator()
+    assert acc.multi_device is False and acc.is_fsdp2 is False and acc.deepspeed_plugin is None
+    assert (acc.non_blocking, acc.use_seedable_sampler, acc.use_stateful_dataloader, acc.dispatch_batches) == \
+        (False, False, False, None)

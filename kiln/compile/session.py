@@ -76,7 +76,7 @@ class CompileSession:
                 f"under a static-shape compile (dynamic={plugin.dynamic}) that batch compiles new graphs "
                 "once per epoch. Pass drop_last=True to the DataLoader, or pad the dataset.",
                 KilnCompileWarning,
-                stacklevel=5,
+                stacklevel=4,  # the user's prepare() call (check_dataloader <- prepare_data_loader <- prepare)
             )
 
     def report(self) -> CompileReport:
@@ -100,7 +100,7 @@ class CompileSession:
                     f"compiled region {region.name} ran NO compiled code in the first {self._steps} "
                     f"step(s): {how}. The step runs uncompiled.",
                     KilnFallbackWarning,
-                    stacklevel=5,
+                    stacklevel=3,  # the user's optimizer.step() (after_optimizer_step <- PreparedOptimizer.step)
                 )
 
     def save_cache(self) -> None:

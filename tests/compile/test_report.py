@@ -115,15 +115,17 @@ def test_silent_region_is_called_out_after_the_first_step():
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
     # force_eager stands in for whatever hides compiled code (a wrapper, a copy, a context)
     with torch.compiler.set_stance("force_eager"):
-        with pytest.warns(KilnFallbackWarning, match=r"EncoderBlock ran NO compiled code.*ran eagerly"):
+        with pytest.warns(KilnFallbackWarning, match=r"EncoderBlock ran NO compiled code.*ran eagerly") as caught:
             _train_step(model, optimizer, acc, length=3)
+    assert caught[0].filename == __file__  # it points at the optimizer.step() call
     assert acc.compile_report().silent_regions == ["EncoderBlock", "DecoderBlock"]
 
 
 def test_short_last_batch_under_static_shapes_warns():
     data = TensorDataset(torch.randn(10, 3, 8))
-    with pytest.warns(KilnCompileWarning, match="last batch holds 2 samples instead of 4"):
+    with pytest.warns(KilnCompileWarning, match="last batch holds 2 samples instead of 4") as caught:
         Accelerator(dynamo_plugin=_plugin()).prepare(DataLoader(data, batch_size=4))
+    assert caught[0].filename == __file__  # it points at the prepare() call
     with no_kiln_warnings():
         Accelerator(dynamo_plugin=_plugin()).prepare(DataLoader(data, batch_size=4, drop_last=True))
         Accelerator(dynamo_plugin=_plugin(dynamic=True)).prepare(DataLoader(data, batch_size=4))
