@@ -434,7 +434,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         return [None] * len(objects)
 
     def end_training(self) -> None:
-        """The end of a run: finishes the trackers and prints the compile report on the main process."""
+        """The end of a run: finishes the trackers, prints the compile report on the main process and,
+        as Accelerate does, leaves the process group Kiln started (no collective works after it)."""
         for tracker in self.trackers:
             tracker.finish()
         self.trackers = []
@@ -443,6 +444,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         if report.regions:
             self.print(report.table())
         self.wait_for_everyone()
+        self.state.end()
 
 
 def _flatten_models(models: Iterable[Any]) -> list[nn.Module]:

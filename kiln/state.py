@@ -8,6 +8,7 @@ works; without a GPU the processes talk over gloo on the CPU, no flag needed.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import enum
 import os
@@ -88,6 +89,11 @@ class ProcessState:
         backend = self.backend_asked or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, init_method=self.init_method, timeout=timeout,
                                 rank=self.process_index, world_size=self.num_processes)
+        # A group left up at interpreter exit can abort the process while its threads are torn down
+        # ("terminate called without an active exception", gloo, torch 2.13), after all the work is
+        # done: leave it at exit when end_training() did not.
+        _KILN_GROUPS.append(dist.group.WORLD)
+        atexit.register(_leave_process_group)
 
     @property
     def backend(self) -> str | None:
@@ -122,9 +128,23 @@ class ProcessState:
             dist.barrier()
 
     def end(self) -> None:
-        """Leave the process group (the end of a run); safe to call twice."""
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        """Leave the process group if Kiln started it (the end of a run); safe to call twice. A group
+        the user started before the Accelerator is theirs to end."""
+        if _started_by_kiln():
+            _leave_process_group()
+
+
+_KILN_GROUPS: list = []  # the default process group Kiln started, while it is up
+
+
+def _started_by_kiln() -> bool:
+    return bool(_KILN_GROUPS) and dist.is_initialized() and dist.group.WORLD is _KILN_GROUPS[-1]
+
+
+def _leave_process_group() -> None:
+    if _started_by_kiln():
+        dist.destroy_process_group()
+    _KILN_GROUPS.clear()
 
 
 _CURRENT: ProcessState | None = None  # the state of the last Accelerator made in this process

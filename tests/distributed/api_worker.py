@@ -85,9 +85,10 @@ def main() -> None:
         with acc.join_uneven_inputs([], even_batches=True):  # collectives need every process: even out
             evaluated = [acc.gather_for_metrics(x) for (x,) in loader]
         seen["gathered"] = sorted(torch.cat(evaluated).squeeze(1).tolist())
+    acc.end_training()  # as Accelerate's: leaves the process group Kiln started
+    seen["group_after_end_training"] = torch.distributed.is_initialized()
     with open(f"{args.out}.{acc.process_index}.json", "w") as handle:
         json.dump(seen, handle)
-    acc.end_training()
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def test_process_facts_kwargs_handlers_and_collectives(tmp_path):
     assert first["trigger"] == second["trigger"] == [True, False]  # process 1 raised it; lowered after
     assert first["marker_existed"] is False and second["marker_existed"] is True  # rank 0 went first
     assert (tmp_path / "plain.saved.pt").is_file()
+    assert first["group_after_end_training"] is False and second["group_after_end_training"] is False
 
 
 def test_split_batches_divides_each_batch_and_ticks_once(tmp_path):
