@@ -96,22 +96,21 @@ class ProcessAPI:
         """This process's contiguous share of a list, tuple, dict of lists, or tensor (dim 0)."""
         yield collectives.split_between(inputs, self.num_processes, self.process_index, apply_padding)
 
-    @contextlib.contextmanager
-    def main_process_first(self) -> Iterator[None]:
+    def main_process_first(self) -> contextlib.AbstractContextManager:
         """The main process runs the block first (say, to download or cache), then the others."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        return self._goes_first(self.is_main_process)
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager:
+        """On each machine, its first process runs the block first, then the others."""
+        return self._goes_first(self.is_local_main_process)
 
     @contextlib.contextmanager
-    def local_main_process_first(self) -> Iterator[None]:
-        """On each machine, its first process runs the block first, then the others."""
-        if not self.is_local_main_process:
+    def _goes_first(self, first: bool) -> Iterator[None]:
+        """The processes where `first` holds run the block, then the others (one barrier between)."""
+        if not first:
             self.wait_for_everyone()
         yield
-        if self.is_local_main_process:
+        if first:
             self.wait_for_everyone()
 
     def set_trigger(self) -> None:

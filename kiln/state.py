@@ -12,6 +12,7 @@ import atexit
 import datetime
 import enum
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,9 +90,8 @@ class ProcessState:
         backend = self.backend_asked or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, init_method=self.init_method, timeout=timeout,
                                 rank=self.process_index, world_size=self.num_processes)
-        # A group left up at interpreter exit can abort the process while its threads are torn down
-        # ("terminate called without an active exception", gloo, torch 2.13), after all the work is
-        # done: leave it at exit when end_training() did not.
+        # A group still up at interpreter exit can abort a finished run ("terminate called without
+        # an active exception", gloo, torch 2.13): leave it at exit when end_training() did not.
         _KILN_GROUPS.append(dist.group.WORLD)
         atexit.register(_leave_process_group)
 
@@ -142,7 +142,15 @@ def _started_by_kiln() -> bool:
 
 
 def _leave_process_group() -> None:
+    """Destroy the group Kiln started, once its threads are idle.
+
+    Seen with gloo, torch 2.13: a collective's work object can be freed on gloo's own thread just
+    after the collective returns, and freeing it takes the GIL (it holds tensors Python made). If
+    the group is torn down then, the main thread joins that thread while holding the GIL (a
+    deadlock), or Python is finalising (an abort). A short sleep releases the GIL and lets it finish.
+    """
     if _started_by_kiln():
+        time.sleep(0.2)
         dist.destroy_process_group()
     _KILN_GROUPS.clear()
 
