@@ -44,7 +44,6 @@ class CheckpointAPI:
         """The number of the next automatic checkpoint (`checkpoint_<save_iteration>`)."""
         return self.project_configuration.iteration
 
-
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Objects with `state_dict`/`load_state_dict` that save_state and load_state carry too."""
         for obj in objects:

@@ -90,10 +90,8 @@ class ProcessState:
         backend = self.backend_asked or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, init_method=self.init_method, timeout=timeout,
                                 rank=self.process_index, world_size=self.num_processes)
-        # A group still up at interpreter exit can abort a finished run ("terminate called without
-        # an active exception", gloo, torch 2.13): leave it at exit when end_training() did not.
-        _KILN_GROUPS.append(dist.group.WORLD)
-        atexit.register(_leave_process_group)
+        global _KILN_GROUP
+        _KILN_GROUP = dist.group.WORLD  # left by end_training(), else at exit
 
     @property
     def backend(self) -> str | None:
@@ -130,15 +128,10 @@ class ProcessState:
     def end(self) -> None:
         """Leave the process group if Kiln started it (the end of a run); safe to call twice. A group
         the user started before the Accelerator is theirs to end."""
-        if _started_by_kiln():
-            _leave_process_group()
+        _leave_process_group()
 
 
-_KILN_GROUPS: list = []  # the default process group Kiln started, while it is up
-
-
-def _started_by_kiln() -> bool:
-    return bool(_KILN_GROUPS) and dist.is_initialized() and dist.group.WORLD is _KILN_GROUPS[-1]
+_KILN_GROUP = None  # the default process group Kiln started, while it is up
 
 
 def _leave_process_group() -> None:
@@ -149,11 +142,16 @@ def _leave_process_group() -> None:
     the group is torn down then, the main thread joins that thread while holding the GIL (a
     deadlock), or Python is finalising (an abort). A short sleep releases the GIL and lets it finish.
     """
-    if _started_by_kiln():
+    global _KILN_GROUP
+    if _KILN_GROUP is not None and dist.is_initialized() and dist.group.WORLD is _KILN_GROUP:
         time.sleep(0.2)
         dist.destroy_process_group()
-    _KILN_GROUPS.clear()
+    _KILN_GROUP = None
 
+
+# A group still up at interpreter exit can abort a finished run ("terminate called without an
+# active exception", gloo, torch 2.13): leave it at exit when end_training() did not.
+atexit.register(_leave_process_group)
 
 _CURRENT: ProcessState | None = None  # the state of the last Accelerator made in this process
 
