@@ -7,16 +7,18 @@ scripts import (`from accelerate import ...`) are here too.
 from kiln.accelerator import Accelerator
 from kiln.buckets import BucketCollator
 from kiln.checkpoint import load_model
+from kiln.checkpoint_integrity import CheckpointCorruptError, CheckpointMismatchError
 from kiln.compat import init_empty_weights
 from kiln.compile.regions import KilnCompileWarning, compile_regions, find_repeated_blocks
 from kiln.compile.report import CompileReport, compile_report
-from kiln.data import skip_first_batches
+from kiln.data import KilnResumeWarning, skip_first_batches
 from kiln.kwargs_handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
                                   GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
 from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.project import ProjectConfiguration
+from kiln.resume import LoadReport
 from kiln.state import AcceleratorState, DistributedType, PartialState
 from kiln.utils import find_executable_batch_size
 
@@ -27,6 +29,8 @@ __all__ = [
     "AcceleratorState",
     "AutocastKwargs",
     "BucketCollator",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
     "CompileReport",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
@@ -36,7 +40,9 @@ __all__ = [
     "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
+    "LoadReport",
     "KilnCompileWarning",
+    "KilnResumeWarning",
     "PartialState",
     "ProfileKwargs",
     "ProjectConfiguration",

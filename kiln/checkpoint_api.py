@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -16,7 +17,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from kiln.project import ProjectConfiguration, latest_checkpoint, next_checkpoint, prune_checkpoints
-from kiln.resume import load_training_state, save_training_state
+from kiln.data import KilnResumeWarning
+from kiln.resume import LoadReport, load_training_state, save_training_state
 
 
 class CheckpointAPI:
@@ -93,22 +95,30 @@ class CheckpointAPI:
         self.project_configuration.iteration += 1  # as Accelerate: every save_state advances it
         return str(saved)
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True) -> None:
-        """Restore what save_state wrote into the objects prepared, in the same order. A missing or
-        incomplete checkpoint is an error naming the missing file. Without `input_dir`, the latest
-        complete automatic checkpoint (`ProjectConfiguration(automatic_checkpoint_naming=True)`),
-        and the next save_state() numbers after it. Dataloader positions come back only with
-        `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches.
-        `strict=False`: model weights may miss keys or hold extra ones."""
+    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True) -> LoadReport:
+        """Restore what save_state wrote into the objects prepared, in the same order. A missing,
+        truncated or incomplete checkpoint is an error naming the file, one of another model an
+        error naming the first mismatched names and shapes; either way nothing is loaded. Without
+        `input_dir`, the latest complete automatic checkpoint (`ProjectConfiguration(
+        automatic_checkpoint_naming=True)`), and the next save_state() numbers after it.
+
+        The checkpoint may come from another number of processes (DDP, FSDP2 and one process, in any
+        pairing; DeepSpeed only on its own number): the returned report, also a KilnResumeWarning then, says which RNG
+        states were restored and which derived, and how dataloader positions were mapped. Positions
+        come back only with `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use
+        skip_first_batches. `strict=False`: model weights may miss names or hold extra ones."""
         if input_dir is None:
             number, input_dir = latest_checkpoint(self.project_configuration)
             self.project_configuration.iteration = number + 1
-        load_training_state(
+        report = load_training_state(
             input_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
             schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
             scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
             load_hooks=list(self._load_state_pre_hooks.values()), strict=strict)
+        if report.saved_processes != report.processes and self.is_main_process:
+            warnings.warn(f"resuming on another number of processes: {report}", KilnResumeWarning, stacklevel=2)
         self.wait_for_everyone()
+        return report
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """`torch.save` (or, with `safe_serialization`, safetensors for a dict of tensors) on the main

@@ -21,6 +21,11 @@ _LOADER_ARGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_in
                 "multiprocessing_context", "generator", "persistent_workers", "pin_memory_device", "in_order")
 
 
+class KilnResumeWarning(UserWarning):
+    """A checkpoint was resumed with something mapped rather than restored as saved: a data
+    position or an RNG state on another number of processes, a schedule stepped at another rate."""
+
+
 def move_to_device(value: Any, device: torch.device, non_blocking: bool = False) -> Any:
     """Tensors in `value` (nested dicts, lists, tuples, batch encodings) moved to `device`."""
     if isinstance(value, torch.Tensor):
@@ -232,6 +237,11 @@ class PreparedDataLoader:
                                                              split_batches, even_batches)
         self.stateful = stateful
         self.seed = seed
+        self.num_processes = num_processes
+        # Samples per global step, the unit a position is kept in when the number of processes changes.
+        batch = dataloader.batch_size
+        self.global_batch_size = None if batch is None else (batch if split_batches else batch * num_processes)
+        self.resume_note: str | None = None  # how load_state_dict mapped a saved position, if it had to
         self.epoch = 0
         self.batches_yielded = 0  # in the current pass
         self.pending_skip = 0  # restored by load_state on a stateful loader; used by the next pass
@@ -307,16 +317,36 @@ class PreparedDataLoader:
 
     def state_dict(self) -> dict[str, int | None]:
         """Where this loader is: its shuffle seed and epoch, and (stateful loaders) the batches
-        already used in the current pass."""
+        already used in the current pass, with the global batch they were counted in."""
         return {"epoch": self.epoch, "batches_yielded": self.batches_yielded if self.stateful else 0,
-                "seed": self._sampler_seed_holder().seed if self._sampler_seed_holder() else None}
+                "seed": self._sampler_seed_holder().seed if self._sampler_seed_holder() else None,
+                "global_batch_size": self.global_batch_size, "num_processes": self.num_processes}
 
     def load_state_dict(self, state: dict[str, int | None]) -> None:
+        """Restore a position, also one saved on another number of processes: every process takes
+        one batch per global step, so the count carries over unchanged when the global batch
+        (processes x batch) is the same; otherwise the samples already used are converted into
+        this run's global batches, with one warning that says how."""
         self.epoch = int(state["epoch"])
-        self.pending_skip = int(state.get("batches_yielded") or 0) if self.stateful else 0
+        position = int(state.get("batches_yielded") or 0) if self.stateful else 0
+        saved_batch, self.resume_note = state.get("global_batch_size"), None
+        if position and saved_batch and self.global_batch_size and saved_batch != self.global_batch_size:
+            position = self._map_position(position, int(saved_batch), int(state.get("num_processes") or 1))
+        self.pending_skip = position
         holder = self._sampler_seed_holder()
         if holder is not None and state.get("seed") is not None:
             holder.seed = int(state["seed"])
+
+    def _map_position(self, steps: int, saved_batch: int, saved_processes: int) -> int:
+        used = steps * saved_batch
+        mapped, left_over = divmod(used, self.global_batch_size)
+        self.resume_note = (
+            f"the checkpoint's global batch was {saved_batch} samples ({saved_processes} process(es)), this "
+            f"run's is {self.global_batch_size} ({self.num_processes}): the {used} samples already used in "
+            f"epoch {self.epoch} are {mapped} of this run's batches"
+            + (f"; the last {left_over} of them are used again" if left_over else ""))
+        warnings.warn(f"resuming a dataloader: {self.resume_note}", KilnResumeWarning, stacklevel=4)
+        return mapped
 
     def _sampler_seed_holder(self) -> SeededRandomSampler | None:
         sampler = getattr(self.loader.batch_sampler, "batch_sampler", None)

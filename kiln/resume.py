@@ -2,7 +2,8 @@
 dataloader positions and registered objects, written so that a crash never leaves a checkpoint
 that loads.
 
-Depends on torch, kiln.checkpoint and kiln.collectives only; never on the facade.
+Depends on torch, kiln.checkpoint, kiln.checkpoint_integrity, kiln.sharded_state and the strategy
+interface only; never on the facade.
 
 Layout of a checkpoint folder (each process writes its own RNG file; the main process the rest):
     kiln_checkpoint.json      manifest, written last: its presence means the folder is complete
@@ -14,22 +15,29 @@ Layout of a checkpoint folder (each process writes its own RNG file; the main pr
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import pickle
 import random
 import shutil
 import time
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from kiln.checkpoint import clean_state_dict, load_state_dict, save_state_dict
+from kiln.checkpoint_integrity import check_optimizer, check_sizes, check_weights, file_sizes, read, shapes_of
+from kiln.data import KilnResumeWarning
 from kiln.parallel.base import Strategy
+from kiln.sharded_state import saved_weight_shapes
 
 MANIFEST = "kiln_checkpoint.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest lists every file's size
 STAGING_SUFFIX = ".kiln-staging"  # `.<name>.kiln-staging`: a save in progress, or one that crashed
 
 
@@ -111,7 +119,9 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
     barrier()  # every process's RNG file is on disk before the manifest says so
     if is_main_process:
         manifest = {"format": FORMAT_VERSION, "created": time.time(), "num_processes": num_processes,
-                    "files": sorted(files), "torch": torch.__version__, "strategy": strategy.name}
+                    "files": sorted(files), "torch": torch.__version__, "strategy": strategy.name,
+                    "sizes": file_sizes(staging),
+                    "scheduler_ticks_per_step": [getattr(s, "ticks_per_step", 1) for s in schedulers]}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         _replace_dir(staging, target)
     barrier()
@@ -129,7 +139,8 @@ def _replace_dir(staging: Path, target: Path) -> None:
 
 
 def read_manifest(input_dir: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; a clear error for a missing or incomplete one."""
+    """The manifest of a complete checkpoint, whose files are all there with the sizes they were
+    written with; a clear error naming the folder or the file otherwise."""
     folder = Path(input_dir)
     if not folder.is_dir():
         raise FileNotFoundError(f"no checkpoint at {folder}")
@@ -137,37 +148,129 @@ def read_manifest(input_dir: str | os.PathLike) -> dict[str, Any]:
     if not manifest_path.is_file():
         raise FileNotFoundError(f"{folder} is not a complete Kiln checkpoint: {MANIFEST} is missing "
                                 "(the save did not finish, or the folder was written by something else)")
-    manifest = json.loads(manifest_path.read_text())
+    manifest = read(manifest_path, lambda path: json.loads(path.read_text()))
     for name in manifest["files"]:
         if not (folder / name).exists():
             raise FileNotFoundError(f"checkpoint {folder} is incomplete: {name} is missing")
+    check_sizes(folder, manifest.get("sizes", {}))  # format 1 wrote no sizes
     return manifest
+
+
+@dataclass
+class LoadReport:
+    """What `load_state` restored, and what it had to map because the number of processes changed.
+
+    rng_restored: the process indices whose saved RNG states were restored; rng_derived: those
+    that had none saved (more processes than the save) and got states derived from process 0's
+    and their index; data: how each stateful dataloader's position was mapped, if it was."""
+
+    folder: str
+    saved_processes: int
+    processes: int
+    rng_restored: list[int] = field(default_factory=list)
+    rng_derived: list[int] = field(default_factory=list)
+    data: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"loaded {self.folder}: saved by {self.saved_processes} process(es), loaded by {self.processes}",
+                 f"RNG states restored for process(es) {self.rng_restored or 'none'}"]
+        if self.rng_derived:
+            lines.append(f"RNG states derived from process 0's for process(es) {self.rng_derived}")
+        lines += [f"dataloader {line}" for line in self.data]
+        return "\n".join(lines)
 
 
 def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy: Strategy, optimizers: list,
                         schedulers: list, dataloaders: list, custom: list, scaler: Any, process_index: int,
                         num_processes: int, load_hooks: Iterable[Callable] = (),
-                        strict: bool = True) -> dict[str, Any]:
-    """Restore what `save_training_state` wrote into the prepared objects, in the same order.
+                        strict: bool = True) -> LoadReport:
+    """Restore what `save_training_state` wrote into the prepared objects, in the same order, also
+    on another number of processes than wrote it, and from whole checkpoints into a sharding
+    strategy or back (not DeepSpeed's). Every file is read and checked against what it is loaded
+    into before anything is loaded: a failure leaves the objects as they were.
 
     Each of `load_hooks` is called first as `hook(models, folder)`; the models it pops from
-    `models` (having loaded them itself) are not loaded again. `strict=False` lets whole model
-    checkpoints miss keys or hold extra ones (as `load_state_dict(strict=False)`)."""
+    `models` (having loaded them itself) are not loaded again. `strict=False` lets model weights
+    miss names or hold extra ones (as `load_state_dict(strict=False)`)."""
     folder = Path(input_dir)
     manifest = read_manifest(folder)
     models = list(models)
     for hook in load_hooks:
         hook(models, str(folder))
-    if manifest["num_processes"] != num_processes:
-        raise ValueError(f"checkpoint {folder} was written by {manifest['num_processes']} processes, "
-                         f"this run has {num_processes}; the RNG and data positions would not line up")
+    saved_processes = int(manifest["num_processes"])
     sharded = any(f.startswith("sharded_model_") for f in manifest["files"])
-    if sharded != strategy.sharded_checkpoints:
-        raise ValueError(f"checkpoint {folder} was written {'per process (sharded)' if sharded else 'whole'}, "
-                         f"but this run's {strategy.name} strategy {'shards' if strategy.sharded_checkpoints else 'does not shard'}")
-    if sharded and manifest.get("strategy", strategy.name) != strategy.name:
-        raise ValueError(f"checkpoint {folder} holds {manifest['strategy']} shards, which the {strategy.name} "
-                         "strategy of this run cannot read; load it with the strategy that wrote it")
+    _check_layout(folder, manifest, sharded, strategy, saved_processes, num_processes)
+    _check_counts(folder, manifest, sharded, models, optimizers, schedulers, custom, dataloaders)
+
+    # Read and check everything first; only then change anything.
+    loads: list[Callable[[], None]] = []
+    for i, model in enumerate(models):
+        owned = [opt.optimizer for opt in _optimizers_of(model, optimizers)]
+        if sharded:
+            if strategy.name != "deepspeed":
+                saved = saved_weight_shapes(folder / f"sharded_model_{i}")
+                check_weights(folder / f"sharded_model_{i}", saved, shapes_of(strategy.unwrap(model).state_dict()),
+                              strict)
+            loads.append(functools.partial(strategy.load_sharded, folder, i, model, owned, strict=strict))
+            continue
+        weights = read(folder / f"model_{i}", load_state_dict)
+        check_weights(folder / f"model_{i}", shapes_of(weights), shapes_of(strategy.unwrap(model).state_dict()), strict)
+        if strategy.sharded_checkpoints:  # whole files into shards: each model takes its own optimizers
+            states = [_read_optimizer(folder, optimizers.index(opt), opt) for opt in _optimizers_of(model, optimizers)]
+            loads.append(functools.partial(strategy.load_whole, model, owned, weights, states, strict=strict))
+        else:  # whole into whole: the optimizers follow, by their index
+            loads.append(functools.partial(strategy.load_whole, model, [], weights, [], strict=strict))
+    if not sharded and not strategy.sharded_checkpoints:
+        for i, opt in enumerate(optimizers):
+            loads.append(functools.partial(opt.load_state_dict, _read_optimizer(folder, i, opt)))
+    for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
+        for i, obj in enumerate(objects):
+            loads.append(functools.partial(obj.load_state_dict, read(folder / f"{prefix}_{i}.bin", _torch_load)))
+    if scaler is not None:
+        if not (folder / "scaler.bin").is_file():
+            raise FileNotFoundError(f"checkpoint {folder} has no scaler.bin, but this run uses fp16 scaling")
+        loads.append(functools.partial(scaler.load_state_dict, read(folder / "scaler.bin", _torch_load)))
+    for i, loader in enumerate(dataloaders):
+        position = read(folder / f"dataloader_{i}.json", lambda path: json.loads(path.read_text()))
+        loads.append(functools.partial(loader.load_state_dict, position))
+    report = LoadReport(str(folder), saved_processes, num_processes)
+    _check_scheduler_pace(manifest, schedulers, process_index)
+    rng = _rng_for(folder, process_index, saved_processes, report)
+
+    for load in loads:
+        load()
+    _set_rng_state(rng)
+    report.data = [f"{i}: {loader.resume_note}" for i, loader in enumerate(dataloaders)
+                   if getattr(loader, "resume_note", None)]
+    return report
+
+
+def _check_layout(folder: Path, manifest: dict, sharded: bool, strategy: Strategy, saved_processes: int,
+                  num_processes: int) -> None:
+    """DeepSpeed reads and writes only its own shards, on the number of processes that wrote them;
+    every other pairing of checkpoint and strategy loads on any number of processes."""
+    saved_strategy = manifest.get("strategy")
+    deepspeed_shards = sharded and saved_strategy == "deepspeed"
+    if deepspeed_shards and strategy.name != "deepspeed":
+        raise ValueError(f"checkpoint {folder} holds DeepSpeed shards, which the {strategy.name} strategy of this "
+                         "run cannot read; load it with DeepSpeed, or take its weights with DeepSpeed's "
+                         "zero_to_fp32.py and start a new optimizer")
+    if strategy.name == "deepspeed" and not deepspeed_shards:
+        instead = ("resume it with FSDP2 or on one process" if sharded else
+                   "resume it without DeepSpeed, or load its weights with kiln.load_model(model, "
+                   f"'{folder / 'model_0'}') before prepare and start a new optimizer")
+        raise ValueError(f"checkpoint {folder} was written {'as FSDP2 shards' if sharded else 'whole'} by the "
+                         f"{saved_strategy} strategy, which a DeepSpeed engine cannot read: {instead}")
+    if deepspeed_shards and saved_processes != num_processes:
+        raise ValueError(f"checkpoint {folder} holds DeepSpeed ZeRO shards written by {saved_processes} processes, "
+                         f"and this run has {num_processes}: Kiln resumes DeepSpeed only on the number of processes "
+                         "that saved it. Resume on that many processes, or convert it with DeepSpeed's "
+                         "`python -m deepspeed.checkpoint.ds_to_universal` and load that with DeepSpeed yourself, "
+                         "or take the weights with zero_to_fp32.py and start a new optimizer")
+
+
+def _check_counts(folder: Path, manifest: dict, sharded: bool, models: list, optimizers: list, schedulers: list,
+                  custom: list, dataloaders: list) -> None:
     counts = {prefix: sum(1 for f in manifest["files"] if f.startswith(prefix + "_"))
               for prefix in ("scheduler", "custom", "dataloader")}
     counts["model"] = sum(1 for f in manifest["files"] if f.startswith(("model_", "sharded_model_")))
@@ -178,24 +281,59 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
     for prefix, count in counts.items():  # an optimizer count is checked only for whole checkpoints
         if count != given[prefix]:
             raise ValueError(f"checkpoint {folder} holds {count} {prefix}(s), this run prepared {given[prefix]}")
-    for i, model in enumerate(models):
-        if sharded:
-            strategy.load_sharded(folder, i, model, [opt.optimizer for opt in _optimizers_of(model, optimizers)],
-                                  strict=strict)
-        else:
-            strategy.unwrap(model).load_state_dict(load_state_dict(folder / f"model_{i}"), strict=strict)
-    if not sharded:
-        for i, opt in enumerate(optimizers):
-            opt.load_state_dict(torch.load(folder / f"optimizer_{i}.bin", map_location="cpu", weights_only=False))
-    for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
-        for i, obj in enumerate(objects):
-            obj.load_state_dict(torch.load(folder / f"{prefix}_{i}.bin", map_location="cpu", weights_only=False))
-    if scaler is not None:
-        if not (folder / "scaler.bin").is_file():
-            raise FileNotFoundError(f"checkpoint {folder} has no scaler.bin, but this run uses fp16 scaling")
-        scaler.load_state_dict(torch.load(folder / "scaler.bin", weights_only=False))
-    for i, loader in enumerate(dataloaders):
-        loader.load_state_dict(json.loads((folder / f"dataloader_{i}.json").read_text()))
-    with open(folder / f"random_states_{process_index}.pkl", "rb") as handle:
-        _set_rng_state(pickle.load(handle))
-    return manifest
+
+
+def _check_scheduler_pace(manifest: dict, schedulers: list, process_index: int) -> None:
+    """Prepared schedulers tick once per process per optimizer step (as Accelerate's): on another
+    number of processes a schedule resumes at another pace per optimizer step. Said once, not changed."""
+    saved = manifest.get("scheduler_ticks_per_step", [])
+    for i, (before, scheduler) in enumerate(zip(saved, schedulers)):
+        now = getattr(scheduler, "ticks_per_step", 1)
+        if before != now and process_index == 0:
+            warnings.warn(f"scheduler {i} was stepped {before} time(s) per optimizer step when saved and is stepped "
+                          f"{now} time(s) now (once per process): from here its schedule advances {now}/{before} as "
+                          "fast per optimizer step. For a pace that does not depend on the number of processes, "
+                          "use DataLoaderConfiguration(split_batches=True) (one tick per step)",
+                          KilnResumeWarning, stacklevel=4)
+
+
+def _torch_load(path: Path) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _read_optimizer(folder: Path, index: int, optimizer: Any) -> dict[str, Any]:
+    path = folder / f"optimizer_{index}.bin"
+    state = read(path, _torch_load)
+    check_optimizer(path, state, getattr(optimizer, "optimizer", optimizer))
+    return state
+
+
+def _rng_for(folder: Path, process_index: int, saved_processes: int, report: LoadReport) -> dict[str, Any]:
+    """This process's saved RNG states; for a process index the save did not have, states seeded
+    from process 0's and the index, the same in every run resumed from this checkpoint."""
+    report.rng_restored = list(range(min(saved_processes, report.processes)))
+    report.rng_derived = list(range(saved_processes, report.processes))
+    if process_index < saved_processes:
+        return read(folder / f"random_states_{process_index}.pkl", _unpickle)
+    base = read(folder / "random_states_0.pkl", _unpickle)
+    digest = hashlib.sha256(base["torch"].numpy().tobytes() + process_index.to_bytes(8, "little")).digest()
+    return _seeded_rng_state(int.from_bytes(digest[:8], "little"), base)
+
+
+def _unpickle(path: Path) -> Any:
+    with open(path, "rb") as handle:
+        return pickle.load(handle)
+
+
+def _seeded_rng_state(seed: int, like: dict[str, Any]) -> dict[str, Any]:
+    """The RNG states `seed` gives, for the same generators `like` holds, without touching the live ones."""
+    state: dict[str, Any] = {"python": random.Random(seed).getstate(),
+                             "torch": torch.Generator().manual_seed(seed).get_state()}
+    if "numpy" in like:
+        import numpy
+
+        state["numpy"] = numpy.random.RandomState(seed % 2**32).get_state()
+    if "cuda" in like and torch.cuda.is_available():
+        state["cuda"] = [torch.Generator(f"cuda:{i}").manual_seed(seed).get_state()
+                         for i in range(torch.cuda.device_count())]
+    return state

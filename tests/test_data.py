@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from kiln.accumulation import GradientState
-from kiln.data import PreparedDataLoader
+from kiln.data import KilnResumeWarning, PreparedDataLoader
 
 
 class Stream(IterableDataset):
@@ -95,3 +95,40 @@ def test_set_seed_after_the_accelerator_decides_the_shuffle():
         loader = acc.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=8, shuffle=True))
         orders.append(next(iter(loader))[0].tolist())
     assert orders[0] == orders[1] != orders[2]
+
+
+def _stateful(batch_size, num_processes=1):
+    data = TensorDataset(torch.arange(48.0))
+    return PreparedDataLoader(DataLoader(data, batch_size=batch_size, shuffle=True), None, GradientState(),
+                              num_processes=num_processes, seed=5, stateful=True)
+
+
+def _first(loader):
+    return next(iter(loader))[0]
+
+
+@pytest.mark.parametrize("new_batch, skipped, again", [(6, 2, 0), (8, 1, 4)])
+def test_a_position_saved_with_another_global_batch_is_mapped_in_samples(new_batch, skipped, again):
+    saved = _stateful(4)
+    batches = iter(saved)
+    for _ in range(3):  # 12 samples used
+        next(batches)
+    state = saved.state_dict()
+    assert (state["global_batch_size"], state["num_processes"]) == (4, 1)
+    resumed = _stateful(new_batch)
+    with pytest.warns(KilnResumeWarning, match=f"12 samples already used in epoch 0 are {skipped} of this run's batches"
+                      + ("; the last 4 of them are used again" if again else "$")):
+        resumed.load_state_dict(state)
+    uninterrupted = list(_stateful(new_batch))
+    assert torch.equal(_first(resumed), uninterrupted[skipped][0])
+
+
+def test_a_position_saved_with_the_same_global_batch_on_other_processes_carries_over_silently():
+    import warnings
+
+    state = {"epoch": 1, "batches_yielded": 3, "seed": 5, "global_batch_size": 8, "num_processes": 2}
+    resumed = _stateful(8)  # one process, batches of 8: the global batch of 2 processes at 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_state_dict(state)
+    assert resumed.pending_skip == 3 and resumed.resume_note is None

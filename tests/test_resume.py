@@ -12,14 +12,14 @@ from toy_models import Regressor
 STEPS_PER_EPOCH = 6
 
 
-def build(stateful=False, precision="no"):
+def build(stateful=False, precision="no", width=16):
     """Everything a run prepares; the model starts from a fresh random init each time."""
     acc = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True),
                       mixed_precision=precision,
                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
     generator = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(24, 3, 8, generator=generator), torch.randn(24, 3, generator=generator))
-    model = Regressor()
+    model = Regressor(width=width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     loader = DataLoader(data, batch_size=4, shuffle=True)
@@ -159,6 +159,113 @@ def test_shards_of_another_strategy_are_refused(tmp_path):
     (tmp_path / "sharded_model_0").mkdir()
     (tmp_path / MANIFEST).write_text(json.dumps({"format": 1, "num_processes": 1, "files": ["sharded_model_0"],
                                                  "strategy": "fsdp"}))
-    with pytest.raises(ValueError, match="holds fsdp shards, which the deepspeed strategy"):
+    with pytest.raises(ValueError, match="as FSDP2 shards by the fsdp strategy, which a DeepSpeed engine cannot read"):
+        load_training_state(tmp_path, models=[], strategy=ZeroShards(), optimizers=[], schedulers=[],
+                            dataloaders=[], custom=[], scaler=None, process_index=0, num_processes=1)
+
+
+def _weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _unchanged(before, model):
+    return all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_checkpoint_of_another_model_names_names_and_shapes_and_loads_nothing(tmp_path):
+    from kiln.checkpoint_integrity import CheckpointMismatchError
+
+    build(width=24)[0].save_state(tmp_path / "wide")
+    acc, counter, model, optimizer, scheduler, loader = build()
+    counter.steps = 7
+    before = _weights(model)
+    with pytest.raises(CheckpointMismatchError) as caught:
+        acc.load_state(tmp_path / "wide")
+    message = str(caught.value)
+    # The first mismatched parameter is named with both shapes; the count of the rest is given.
+    first = next(k for k, v in before.items() if v.dim() == 2)
+    assert f"{first}: checkpoint [24, " in message and "shapes differ" in message and "more" in message
+    assert "nothing was loaded" in message
+    assert _unchanged(before, model) and counter.steps == 7
+
+
+def test_truncated_file_is_named_and_nothing_loads(tmp_path):
+    from kiln.checkpoint_integrity import CheckpointCorruptError
+
+    acc, counter, model, optimizer, scheduler, loader = build()
+    acc.save_state(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt/model_0/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    train(acc, counter, model, optimizer, scheduler, loader, 1)
+    before = _weights(model)
+    with pytest.raises(CheckpointCorruptError, match=r"model_0/model.safetensors has \d+ bytes, the save wrote"):
+        acc.load_state(tmp_path / "ckpt")
+    assert _unchanged(before, model) and counter.steps == 1
+
+
+def test_unreadable_file_is_named_and_nothing_loads(tmp_path):
+    from kiln.checkpoint_integrity import CheckpointCorruptError
+
+    acc, counter, model, optimizer, scheduler, loader = build()
+    acc.save_state(tmp_path / "ckpt")
+    target = tmp_path / "ckpt/scheduler_0.bin"
+    target.write_bytes(b"\0" * target.stat().st_size)  # the right size, the wrong bytes
+    train(acc, counter, model, optimizer, scheduler, loader, 1)
+    before, lr = _weights(model), scheduler.get_last_lr()
+    with pytest.raises(CheckpointCorruptError, match="cannot read .*scheduler_0.bin"):
+        acc.load_state(tmp_path / "ckpt")
+    assert _unchanged(before, model) and counter.steps == 1 and scheduler.get_last_lr() == lr
+    assert optimizer.state_dict()["state"]  # the optimizer kept its own state too
+
+
+def test_optimizer_of_another_shape_is_refused_before_loading(tmp_path):
+    from kiln.checkpoint_integrity import CheckpointMismatchError
+
+    acc, model = Accelerator(), Regressor()
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.save_state(tmp_path / "ckpt")
+    other = Accelerator()
+    twin = Regressor()
+    groups = [{"params": list(twin.parameters())[:2]}, {"params": list(twin.parameters())[2:]}]
+    other.prepare(twin, torch.optim.SGD(groups, lr=0.1))
+    before = _weights(twin)
+    with pytest.raises(CheckpointMismatchError, match="parameter groups of"):
+        other.load_state(tmp_path / "ckpt")
+    assert _unchanged(before, twin)
+
+
+def test_a_schedule_stepped_at_another_pace_than_saved_is_one_warning(tmp_path):
+    import json
+
+    from kiln import KilnResumeWarning
+    from kiln.resume import MANIFEST
+
+    acc, counter, model, optimizer, scheduler, loader = build()
+    acc.save_state(tmp_path / "ckpt")
+    manifest = json.loads((tmp_path / "ckpt" / MANIFEST).read_text())
+    assert manifest["scheduler_ticks_per_step"] == [1]
+    manifest["scheduler_ticks_per_step"] = [2]  # as two processes, one tick each, save it
+    (tmp_path / "ckpt" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.warns(KilnResumeWarning, match=r"scheduler 0 was stepped 2 time\(s\) per optimizer step when saved "
+                                              r"and is stepped 1 time\(s\) now") as caught:
+        build()[0].load_state(tmp_path / "ckpt")
+    assert len([w for w in caught if issubclass(w.category, KilnResumeWarning)]) == 1
+
+
+def test_deepspeed_shards_on_another_number_of_processes_say_what_to_do(tmp_path):
+    import json
+
+    from kiln.parallel.base import Strategy
+    from kiln.resume import MANIFEST, load_training_state
+
+    class ZeroShards(Strategy):
+        name = "deepspeed"
+        sharded_checkpoints = True
+
+    (tmp_path / "sharded_model_0").mkdir()
+    (tmp_path / MANIFEST).write_text(json.dumps({"format": 2, "num_processes": 2, "files": ["sharded_model_0"],
+                                                 "strategy": "deepspeed"}))
+    with pytest.raises(ValueError, match="written by 2 processes, and this run has 1: Kiln resumes DeepSpeed only "
+                                         "on the number of processes that saved it.*ds_to_universal"):
         load_training_state(tmp_path, models=[], strategy=ZeroShards(), optimizers=[], schedulers=[],
                             dataloaders=[], custom=[], scaler=None, process_index=0, num_processes=1)

@@ -1,6 +1,6 @@
 """The strategy interface, and the strategy for one process (which changes nothing).
 
-Depends on torch, kiln.state and kiln.optim only.
+Depends on torch, kiln.state, kiln.optim and kiln.sharded_state only.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from kiln.accumulation import GradientState
 from kiln.optim import PreparedOptimizer
+from kiln.sharded_state import load_dcp
 from kiln.state import DistributedType
 
 
@@ -74,7 +75,17 @@ class Strategy:
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
                      optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
-        raise NotImplementedError(f"{self.name} reads whole checkpoints")
+        """Shards written by FSDP2 (DCP), on any number of processes, into this run's whole model:
+        every process reads every tensor. A strategy with its own shard format overrides this."""
+        load_dcp(folder / f"sharded_model_{index}", self.unwrap(model), optimizers, strict=strict)
+
+    def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                   model_state: dict[str, torch.Tensor], optimizer_states: list[dict],
+                   strict: bool = True) -> None:
+        """Whole weights and `optimizer.state_dict()`s, as a whole-checkpoint strategy saved them."""
+        self.unwrap(model).load_state_dict(model_state, strict=strict)
+        for optimizer, state in zip(optimizers, optimizer_states):
+            optimizer.load_state_dict(state)
 
 
 class SingleProcess(Strategy):

@@ -385,6 +385,13 @@ class DeepSpeedStrategy(Strategy):
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {name} in {folder}")
 
+    def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                   model_state: dict[str, torch.Tensor], optimizer_states: list[dict],
+                   strict: bool = True) -> None:
+        raise NotImplementedError("a DeepSpeed engine reads only its own checkpoints; this one was written whole "
+                                  "(one process, DDP or FSDP2 on one process): load it with that strategy, or load "
+                                  "its weights with kiln.load_model before prepare and start a new optimizer")
+
 
 class EngineOptimizer(PreparedOptimizer):
     """The optimizer handed back under DeepSpeed: the engine already stepped in `backward`, so

@@ -2,7 +2,7 @@
 gradients and optimizer state live in shards, and checkpoints are written per process with
 torch.distributed.checkpoint.
 
-Depends on torch and kiln.parallel.base only. The blocks arrive compiled in place; FSDP2's hooks
+Depends on torch, kiln.sharded_state and kiln.parallel.base only. The blocks arrive compiled in place; FSDP2's hooks
 gather each block's parameters around its compiled forward (DESIGN.md: compile each block, then
 shard each block, then the root).
 """
@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from kiln.parallel.base import Strategy
+from kiln.sharded_state import load_dcp, load_whole_into_sharded, save_dcp
 from kiln.state import DistributedType
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -96,21 +97,15 @@ class FSDPStrategy(Strategy):
 
     def save_sharded(self, folder: Path, index: int, model: nn.Module,
                      optimizers: list[torch.optim.Optimizer]) -> str:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optimizer_state = get_state_dict(model, optimizers)
         name = f"sharded_model_{index}"
-        dcp.save({"model": model_state, "optimizers": optimizer_state}, checkpoint_id=str(folder / name))
+        save_dcp(folder / name, model, optimizers)
         return name
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
                      optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        load_dcp(folder / f"sharded_model_{index}", model, optimizers, strict=strict)  # on any number of processes
 
-        model_state, optimizer_state = get_state_dict(model, optimizers)
-        state = {"model": model_state, "optimizers": optimizer_state}
-        dcp.load(state, checkpoint_id=str(folder / f"sharded_model_{index}"))
-        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"],
-                       options=StateDictOptions(strict=strict))
+    def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
+                   model_state: dict[str, torch.Tensor], optimizer_states: list[dict],
+                   strict: bool = True) -> None:
+        load_whole_into_sharded(model, optimizers, model_state, optimizer_states, strict=strict)

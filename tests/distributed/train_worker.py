@@ -7,6 +7,7 @@ would write without Kiln (one process, the global batch), the oracle for parity 
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -115,6 +116,8 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=0, help="save_state after this many steps, then stop")
     parser.add_argument("--resume-from", default=None)
     parser.add_argument("--stateful", action="store_true")
+    parser.add_argument("--split-batches", action="store_true", help="the loader's batch is the global batch")
+    parser.add_argument("--constant-lr", action="store_true", help="no scheduler")
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--fsdp-mixed-precision", default=None, help="FSDP2's own parameter dtype (opt-in)")
@@ -141,25 +144,27 @@ def main() -> None:
                                use_regional_compilation=True)
     acc = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
                       gradient_accumulation_steps=args.grad_accum,
-                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful),
+                      dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful,
+                                                                split_batches=args.split_batches),
                       fsdp_plugin=FullyShardedDataParallelPlugin(
                           activation_checkpointing=args.activation_checkpointing,
                           mixed_precision=args.fsdp_mixed_precision) if args.fsdp else None,
                       deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.ds_config, zero_stage=args.zero_stage,
                                                        gradient_clipping=args.clip)
                       if args.zero_stage is not None else None)
-    per_process = args.global_batch // acc.num_processes
+    per_process = args.global_batch if args.split_batches else args.global_batch // acc.num_processes
     loader = DataLoader(training_data(args), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
     eval_data = TensorDataset(torch.arange(args.eval_samples, dtype=torch.float32))
     if args.eval_stream:
         eval_data = Stream(args.eval_samples)
-    eval_loader = DataLoader(eval_data, batch_size=3)
+    eval_loader = DataLoader(eval_data, batch_size=4 if args.split_batches else 3)
     model = build_model(args)
     optimizer = build_optimizer(args, model)
     # Halving the rate each step makes a scheduler that did not reach the optimizer change the losses.
     # A prepared scheduler ticks once per process per optimizer step (as in Accelerate), so the
     # schedule is sized in ticks, the way Accelerate scripts size theirs.
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=acc.num_processes, gamma=0.5)
+    ticks = 1 if args.split_batches else acc.num_processes
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=ticks, gamma=0.5 if not args.constant_lr else 1.0)
     model, optimizer, loader, eval_loader, scheduler = acc.prepare(model, optimizer, loader, eval_loader, scheduler)
     teacher = None
     if args.teacher:  # frozen: every strategy must take it alongside the trained model
@@ -167,8 +172,9 @@ def main() -> None:
         teacher = acc.prepare(teacher)
     progress = Progress()
     acc.register_for_checkpointing(progress)
+    report = None
     if args.resume_from:
-        acc.load_state(args.resume_from)
+        report = dataclasses.asdict(acc.load_state(args.resume_from))
 
     losses, skipped, window = [], [], 0.0
     while progress.epoch < args.epochs:
@@ -223,7 +229,8 @@ def main() -> None:
         with open(args.out, "w") as handle:
             json.dump({"losses": losses, "calls": all_calls, "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
-                       "distributed_type": str(acc.distributed_type.value), "keys": sorted(full)}, handle)
+                       "distributed_type": str(acc.distributed_type.value), "keys": sorted(full),
+                       "load_report": report}, handle)
     acc.end_training()
 
 

@@ -1,0 +1,91 @@
+"""Resuming on another number of processes than saved: 2 -> 1 and 1 -> 2, under DDP (whole
+checkpoints) and FSDP2 (DCP shards, read as whole weights on one process and resharded from whole
+weights on two). The remaining losses and the final weights equal the uninterrupted run's."""
+
+import pytest
+import torch
+
+from test_strategies import run_worker
+
+pytestmark = pytest.mark.multiprocess
+
+
+def resume_across(tmp_path, saved_on, resumed_on, common):
+    """Train to step 1 on `saved_on` processes, save, and finish on `resumed_on` processes."""
+    folder = tmp_path / f"save{saved_on}"
+    folder.mkdir()
+    run_worker(folder, saved_on, *common, "--save-at", "1")
+    return run_worker(folder, resumed_on, *common, "--resume-from", str(folder / "ckpt"),
+                      "--save-weights", str(folder / "resumed.pt"))
+
+
+def assert_continues(whole, resumed, whole_weights, resumed_weights):
+    assert len(resumed["losses"]) == len(whole["losses"]) - 1 == 3
+    for a, b in zip(resumed["losses"], whole["losses"][1:]):
+        assert abs(a - b) < 1e-5, (resumed["losses"], whole["losses"])
+    final, expected = torch.load(resumed_weights), torch.load(whole_weights)
+    assert final.keys() == expected.keys()
+    assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-5
+
+
+# DDP: batches dealt per process (3 each on 2 processes, 6 on one: the same global batch of 6), a
+# constant rate (a prepared scheduler's pace follows the number of processes; FSDP2 below covers
+# schedules). FSDP2: split batches, whose scheduler ticks once per step on any number of processes.
+@pytest.mark.parametrize("strategy", [[], ["--fsdp", "--split-batches"]], ids=["ddp", "fsdp2"])
+def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, strategy):
+    common = ["--epochs", "2", "--shuffle", "--stateful", *strategy] + ([] if strategy else ["--constant-lr"])
+    whole = run_worker(tmp_path, 2, *common, "--save-weights", str(tmp_path / "whole.pt"))
+    assert len(whole["losses"]) == 4
+
+    fewer = resume_across(tmp_path, 2, 1, common)
+    assert fewer["processes"] == 1
+    assert fewer["load_report"]["saved_processes"] == 2
+    assert fewer["load_report"]["rng_restored"] == [0] and fewer["load_report"]["rng_derived"] == []
+    assert fewer["load_report"]["data"] == []  # the same global batch: positions carry over as saved
+    assert_continues(whole, fewer, tmp_path / "whole.pt", tmp_path / "save2/resumed.pt")
+
+    more = resume_across(tmp_path, 1, 2, common)
+    assert more["distributed_type"] == ("FSDP" if strategy else "MULTI_CPU")
+    assert more["load_report"]["rng_restored"] == [0] and more["load_report"]["rng_derived"] == [1]
+    assert more["checksums"][0] == more["checksums"][1]
+    assert_continues(whole, more, tmp_path / "whole.pt", tmp_path / "save1/resumed.pt")
+    if strategy:  # two processes wrote shards, one read them whole; one wrote whole files, two sharded them
+        assert (tmp_path / "save2/ckpt/sharded_model_0/.metadata").is_file()
+        assert (tmp_path / "save1/ckpt/model_0/model.safetensors").is_file()
+
+
+def run_failing(tmp_path, processes, *args):
+    """Start the worker as run_worker does, expecting it to fail; returns what it printed."""
+    import os
+    import subprocess
+    import sys
+
+    from test_strategies import HERE, ROOT, free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
+    env["PYTHONPATH"] = str(ROOT)
+    command = [sys.executable, str(HERE / "train_worker.py"), "--out", str(tmp_path / "never.json"), *args]
+    if processes > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", *command[1:]]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and not (tmp_path / "never.json").exists()
+    return done.stdout + done.stderr
+
+
+def test_damaged_or_foreign_fsdp2_checkpoints_are_named_errors(tmp_path):
+    common = ["--epochs", "2", "--shuffle", "--stateful", "--fsdp", "--split-batches"]
+    run_worker(tmp_path, 2, *common, "--save-at", "1")
+    shards = tmp_path / "ckpt/sharded_model_0"
+    other = run_failing(tmp_path, 1, *common, "--model", "llama", "--resume-from", str(tmp_path / "ckpt"))
+    assert "CheckpointMismatchError" in other and "missing from the checkpoint: model.embed_tokens.weight" in other
+    assert "nothing was loaded" in other
+
+    (shards / "__1_0.distcp").unlink()  # process 1's shard, lost with its machine
+    missing = run_failing(tmp_path, 2, *common, "--resume-from", str(tmp_path / "ckpt"))
+    assert "is damaged: sharded_model_0/__1_0.distcp is missing" in missing
+
+    data = shards / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-64])
+    truncated = run_failing(tmp_path, 1, *common, "--resume-from", str(tmp_path / "ckpt"))
+    assert "is damaged: sharded_model_0/__0_0.distcp has" in truncated and "the save wrote" in truncated
