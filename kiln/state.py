@@ -89,9 +89,23 @@ class ProcessState:
             seconds=float(os.environ.get("KILN_PROCESS_GROUP_TIMEOUT", DEFAULT_TIMEOUT_S)))
         backend = self.backend_asked or ("nccl" if self.device.type == "cuda" else "gloo")
         dist.init_process_group(backend, init_method=self.init_method, timeout=timeout,
-                                rank=self.process_index, world_size=self.num_processes)
+                                rank=self.process_index, world_size=self.num_processes,
+                                store=self._restart_store(timeout))
         global _KILN_GROUP
         _KILN_GROUP = dist.group.WORLD  # left by end_training(), else at exit
+
+    def _restart_store(self, timeout: datetime.timedelta) -> dist.Store | None:
+        """After an elastic restart, the launcher's store under a prefix of this attempt. torchrun's
+        agent keeps one store across restarts, and the keys the failed attempt's processes wrote
+        stay in it: a restarted process could read a dead one's address (gloo: "connectFullMesh
+        failed ... Connection refused", torch 2.13). None otherwise: torch's own rendezvous."""
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if self.init_method is not None or attempt == "0":
+            return None
+        hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), self.num_processes,
+                              is_master=not hosted_by_agent and self.process_index == 0, timeout=timeout)
+        return dist.PrefixStore(f"kiln/attempt_{attempt}", store)
 
     @property
     def backend(self) -> str | None:

@@ -30,19 +30,17 @@ def add_parser(commands: Any) -> None:
 
 
 def build_command(settings: dict[str, Any], script: str, script_args: list[str]) -> list[str]:
-    """The command line for this machine: the script itself for one process, else torchrun's."""
-    if settings["num_processes"] == 1 and settings["num_machines"] == 1:
+    """The command line for this machine: the script itself for one process that is never
+    restarted, else torchrun's (whose agent restarts the processes, up to `max_restarts` times)."""
+    if settings["num_processes"] == 1 and settings["num_machines"] == 1 and not settings["max_restarts"]:
         return [sys.executable, script, *script_args]
     per_machine = settings["num_processes"] // settings["num_machines"]
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc_per_node={per_machine}",
-        f"--nnodes={settings['num_machines']}",
-        f"--node_rank={settings['machine_rank']}",
-        f"--master_addr={settings['main_process_ip']}",
-        f"--master_port={settings['main_process_port']}",
-        script, *script_args,
-    ]
+    restarts = [f"--max_restarts={settings['max_restarts']}"] if settings["max_restarts"] else []
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={per_machine}",
+               f"--nnodes={settings['num_machines']}", f"--node_rank={settings['machine_rank']}",
+               f"--master_addr={settings['main_process_ip']}", f"--master_port={settings['main_process_port']}",
+               *restarts]
+    return [*command, script, *script_args]
 
 
 def run(args: argparse.Namespace) -> int:

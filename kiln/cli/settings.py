@@ -113,6 +113,9 @@ SETTINGS = (
             "where ZeRO-3 keeps parameters: none or cpu", "deepspeed"),
     Setting("process_group_timeout", 600, _positive, "KILN_PROCESS_GROUP_TIMEOUT",
             "seconds a collective waits for a lost process"),
+    Setting("max_restarts", 0, _non_negative, None,
+            "times the launcher restarts every process of this machine after one fails; the script "
+            "resumes from its latest checkpoint (torchrun's elastic restarts)"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -158,6 +161,12 @@ def resolve(flags: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
         if setting.only_for and settings[setting.name] is not None and settings["distributed_type"] != setting.only_for:
             raise ValueError(f"{setting.name} is a {setting.only_for} setting, but distributed_type is "
                              f"{settings['distributed_type']}")
+    if settings["max_restarts"] and settings["num_machines"] > 1:
+        # Each machine's launcher counts its own restarts; the restarted processes find one another
+        # through a store prefix of that count (kiln.state), which would then differ between machines.
+        raise ValueError("max_restarts works on one machine: each machine's launcher would restart its own "
+                         "processes on its own count; for several machines, rerun the launch (the script "
+                         "resumes from its latest checkpoint) or use torchrun's elastic rendezvous yourself")
     if settings["machine_rank"] >= settings["num_machines"]:
         raise ValueError(f"machine_rank={settings['machine_rank']} but num_machines={settings['num_machines']}")
     return settings

@@ -65,6 +65,17 @@ def test_commands_for_one_process_one_machine_and_many():
         "--master_addr=10.0.0.1", "--master_port=29501", "train.py"]
 
 
+def test_restarts_run_even_one_process_under_torchrun():
+    restarted = resolve({"max_restarts": 2}, {})
+    command = build_command(restarted, "train.py", [])
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"] and "--max_restarts=2" in command
+    assert "--nproc_per_node=1" in command and command[-1] == "train.py"
+    with pytest.raises(ValueError, match="must be 0 or more"):
+        resolve({"max_restarts": -1}, {})
+    with pytest.raises(ValueError, match="max_restarts works on one machine"):
+        resolve({"max_restarts": 1, "num_machines": 2, "num_processes": 2}, {})
+
+
 def test_config_writes_what_launch_reads(tmp_path):
     path = tmp_path / "kiln.yaml"
     assert main(["config", "--config_file", str(path), "--num_processes", "2", "--distributed_type", "fsdp",
