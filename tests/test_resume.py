@@ -146,7 +146,8 @@ def test_mismatched_objects_are_a_clear_error(tmp_path):
         other.load_state(tmp_path / "ckpt")
 
 
-def test_shards_of_another_strategy_are_refused(tmp_path):
+def load_into_zero_shards(folder, manifest, num_processes=1):
+    """load_training_state of a hand-written manifest, into a strategy that calls itself DeepSpeed."""
     import json
 
     from kiln.parallel.base import Strategy
@@ -156,12 +157,15 @@ def test_shards_of_another_strategy_are_refused(tmp_path):
         name = "deepspeed"
         sharded_checkpoints = True
 
-    (tmp_path / "sharded_model_0").mkdir()
-    (tmp_path / MANIFEST).write_text(json.dumps({"format": 1, "num_processes": 1, "files": ["sharded_model_0"],
-                                                 "strategy": "fsdp"}))
+    (folder / "sharded_model_0").mkdir()
+    (folder / MANIFEST).write_text(json.dumps({"files": ["sharded_model_0"], **manifest}))
+    load_training_state(folder, models=[], strategy=ZeroShards(), optimizers=[], schedulers=[], dataloaders=[],
+                        custom=[], scaler=None, process_index=0, num_processes=num_processes)
+
+
+def test_shards_of_another_strategy_are_refused(tmp_path):
     with pytest.raises(ValueError, match="as FSDP2 shards by the fsdp strategy, which a DeepSpeed engine cannot read"):
-        load_training_state(tmp_path, models=[], strategy=ZeroShards(), optimizers=[], schedulers=[],
-                            dataloaders=[], custom=[], scaler=None, process_index=0, num_processes=1)
+        load_into_zero_shards(tmp_path, {"format": 1, "num_processes": 1, "strategy": "fsdp"})
 
 
 def _weights(model):
@@ -253,19 +257,6 @@ def test_a_schedule_stepped_at_another_pace_than_saved_is_one_warning(tmp_path):
 
 
 def test_deepspeed_shards_on_another_number_of_processes_say_what_to_do(tmp_path):
-    import json
-
-    from kiln.parallel.base import Strategy
-    from kiln.resume import MANIFEST, load_training_state
-
-    class ZeroShards(Strategy):
-        name = "deepspeed"
-        sharded_checkpoints = True
-
-    (tmp_path / "sharded_model_0").mkdir()
-    (tmp_path / MANIFEST).write_text(json.dumps({"format": 2, "num_processes": 2, "files": ["sharded_model_0"],
-                                                 "strategy": "deepspeed"}))
     with pytest.raises(ValueError, match="written by 2 processes, and this run has 1: Kiln resumes DeepSpeed only "
                                          "on the number of processes that saved it.*ds_to_universal"):
-        load_training_state(tmp_path, models=[], strategy=ZeroShards(), optimizers=[], schedulers=[],
-                            dataloaders=[], custom=[], scaler=None, process_index=0, num_processes=1)
+        load_into_zero_shards(tmp_path, {"format": 2, "num_processes": 2, "strategy": "deepspeed"})

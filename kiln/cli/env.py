@@ -11,6 +11,8 @@ import os
 import platform
 from typing import Any
 
+import kiln
+
 from kiln.cli.settings import DEFAULT_CONFIG
 
 
@@ -30,7 +32,7 @@ def report() -> dict[str, str]:
     import torch
 
     facts = {
-        "kiln": _version("kiln"),
+        "kiln": f"{kiln.__version__} (distribution kiln-torch {_version('kiln-torch')})",
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if settings["distributed_type"] == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         print("kiln launch: distributed_type is deepspeed, but DeepSpeed is not installed: "
-              "pip install 'kiln[deepspeed]'", file=sys.stderr)
+              "pip install 'kiln-torch[deepspeed]'", file=sys.stderr)
         return 2
     if not os.path.isfile(args.script):
         print(f"kiln launch: no script at {args.script}", file=sys.stderr)

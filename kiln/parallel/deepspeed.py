@@ -2,7 +2,7 @@
 own checkpoints; Kiln fills the engine's config from the Accelerator's settings.
 
 Depends on torch, kiln.optim, kiln.checkpoint and kiln.parallel.base; DeepSpeed itself is imported only when a
-DeepSpeed strategy is built (`pip install kiln[deepspeed]`). The model arrives compiled in place,
+DeepSpeed strategy is built (`pip install 'kiln-torch[deepspeed]'`). The model arrives compiled in place,
 so `engine.module` is the user's module running its compiled blocks (DESIGN.md).
 """
 
@@ -33,7 +33,7 @@ def import_deepspeed() -> Any:
     try:
         import deepspeed
     except ImportError as error:
-        raise ImportError("DeepSpeed was asked for but is not installed: pip install 'kiln[deepspeed]'") from error
+        raise ImportError("DeepSpeed was asked for but is not installed: pip install 'kiln-torch[deepspeed]'") from error
     return deepspeed
 
 
