@@ -1,4 +1,5 @@
-"""One benchmark row, run in its own process: build a Llama-style model, compile it one way, time it.
+"""One benchmark row, run in its own process: build a Llama-style model, compile it one way, time it
+(the compile suite; the warm-start and buckets suites measure in their own modules).
 
 Depends on torch, transformers, kiln.compile and (for its two methods only) accelerate; never on
 Kiln's facade or a distributed strategy. Run as `python -m kiln.bench.measure '<row json>'`.
@@ -235,11 +236,24 @@ def peak_memory_mib(cuda: bool) -> float:
     return rss / 2**(20 if sys.platform == "darwin" else 10)
 
 
+def suite_measure(suite: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The child-side measurement of a suite."""
+    if suite == "warm-start":
+        from kiln.bench.warm_start import measure as warm_start_measure
+
+        return warm_start_measure
+    if suite == "buckets":
+        from kiln.bench.buckets import measure as buckets_measure
+
+        return buckets_measure
+    return measure
+
+
 def main(argv: list[str]) -> int:
     """Measure the row given as JSON; print the result as the last stdout line (exit 1 on error)."""
     row = json.loads(argv[0])
     try:
-        result = measure(row)
+        result = suite_measure(row.get("suite", "compile"))(row)
     except Exception as exc:  # the parent still gets a line, with the reason
         import traceback
 

@@ -3,7 +3,9 @@
 Depends on the standard library only (the parent process plans rows without importing torch).
 
 A plan is a list of groups; each group is a cross product of models x workloads x batch sizes x
-methods (x compile modes), so a plan can be small where a full cross product would not fit the time.
+methods (x compile modes, x variants), so a plan can be small where a full cross product would not
+fit the time. A group belongs to a suite: `compile` (cold compile and steady steps, kiln.bench.measure),
+`warm-start` (kiln.bench.warm_start) or `buckets` (kiln.bench.buckets); the variants are the suite's.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ ACCELERATE_METHODS = ("accelerate-full", "accelerate-regional")
 METHODS = KILN_METHODS + ACCELERATE_METHODS
 WORKLOADS = ("infer", "train")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Each suite's variants; kept here (not imported from the suite modules) so planning stays light.
+SUITE_VARIANTS = {
+    "compile": ("",),
+    "warm-start": ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm"),
+    "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
+}
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,15 @@ class Row:
     warmup: int = 3
     seed: int = 0
     threads: int | None = None
+    suite: str = "compile"
+    variant: str = ""
 
     @property
     def label(self) -> str:
-        """How progress lines and tables name the row: 'regional train b4', plus a non-default mode."""
+        """How progress lines and tables name the row: 'regional train b4', plus a non-default mode,
+        or the suite and variant: 'warm-start warm small train b4'."""
+        if self.suite != "compile":
+            return f"{self.suite} {self.variant} {self.model} {self.workload} b{self.batch}"
         mode = "" if self.mode == "default" else f" [{self.mode}]"
         return f"{self.method}{mode} {self.model} {self.workload} b{self.batch}"
 
@@ -79,12 +92,16 @@ class Group:
     seq: dict[str, int] = field(default_factory=lambda: {"infer": 64, "train": 64})
     # Steady steps are cheap next to a compile; the median of 30 damps a shared CPU's noise.
     steps: int = 30
+    suite: str = "compile"
+    variants: list[str] = field(default_factory=lambda: [""])
+    backend: str | None = None  # the group's default backend, where the command line names none
 
-    def rows(self, **common: Any) -> list[Row]:
+    def rows(self, backend: str | None = None, **common: Any) -> list[Row]:
+        backend = backend or self.backend or "inductor"
         return [Row(model=m, workload=w, batch=b, seq=self.seq[w], method=method, mode=mode,
-                    steps=self.steps, **common)
+                    steps=self.steps, suite=self.suite, variant=variant, backend=backend, **common)
                 for m in self.models for w in self.workloads for b in self.batches
-                for method in self.methods for mode in self.modes
+                for method in self.methods for mode in self.modes for variant in self.variants
                 if not (method == "eager" and mode != "default")]
 
 
@@ -106,6 +123,18 @@ PLANS: dict[str, list[Group]] = {
     # Logic checks in seconds with backend aot_eager; the GPU script's --device cpu path uses it.
     "tiny": [
         Group(["tiny"], ["infer", "train"], [2], list(METHODS), seq={"infer": 32, "train": 32}, steps=3),
+    ],
+    # Kiln's compile cache between job starts: a cold regional training step, then three fresh
+    # processes starting from part or all of its cache folder (about 2 minutes on 2 cores).
+    "warm-start": [
+        Group(["small"], ["train"], [4], ["regional"], suite="warm-start",
+              variants=list(SUITE_VARIANTS["warm-start"]), steps=5),
+    ],
+    # Shape buckets over one epoch of variable-length batches; aot_eager unless --backend says
+    # otherwise (Inductor builds up to 8 graphs with gcc here: minutes per row).
+    "buckets": [
+        Group(["small"], ["train"], [4], ["regional"], suite="buckets", seq={"infer": 128, "train": 128},
+              variants=list(SUITE_VARIANTS["buckets"]), backend="aot_eager"),
     ],
     # One H200 in about 8 minutes (benchmarks/gpu_bench.sh gives it a 420 s budget). Ordered by what
     # the targets need, so the budget cuts the least needed rows: 1B inference and training at
@@ -129,7 +158,7 @@ def build_rows(
     plan: str,
     *,
     device: str,
-    backend: str = "inductor",
+    backend: str | None = None,
     models: Iterable[str] | None = None,
     workloads: Iterable[str] | None = None,
     batches: Iterable[int] | None = None,
@@ -138,9 +167,11 @@ def build_rows(
     seq: int | None = None,
     steps: int | None = None,
     threads: int | None = None,
+    variants: Iterable[str] | None = None,
     with_accelerate: bool = True,
 ) -> list[Row]:
-    """The rows of `plan`, with any list given here replacing that list in every group.
+    """The rows of `plan`, with any list given here replacing that list in every group (variants
+    only in groups of a suite that has them). `backend` None: each group's own, else inductor.
 
     Accelerate's methods are dropped when `with_accelerate` is False (the package is not installed).
     Duplicates (two groups naming the same row) are measured once.
@@ -159,6 +190,7 @@ def build_rows(
             modes=list(modes or group.modes),
             seq={w: seq for w in WORKLOADS} if seq else group.seq,
             steps=steps or group.steps,
+            variants=[v for v in variants if v in SUITE_VARIANTS[group.suite]] if variants else group.variants,
         )
         for row in group.rows(backend=backend, device=device, dtype=dtype, threads=threads):
             if row.method in ACCELERATE_METHODS and not with_accelerate:

@@ -10,6 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from kiln.bench import buckets, warm_start
 from kiln.bench.plan import METHODS
 
 # The issue's targets, checked on rows of the same run: same model, workload, batch and mode.
@@ -244,21 +245,56 @@ def plot(rows: list[dict[str, Any]], stem: Path) -> list[Path]:
 
 def write_results(rows: list[dict[str, Any]], out: Path, name: str, plots: bool = True) -> tuple[str, list[Path]]:
     """Write `<name>.jsonl` (every run), `<name>.md`, `<name>_targets.json` and the plots (repeated
-    runs combined to their median) under `out`; return the markdown and the files."""
+    runs combined to their median) under `out`; return the markdown and the files. Each suite in
+    the rows gets its own section."""
     out.mkdir(parents=True, exist_ok=True)
     stem = out / name
     files = [stem.with_suffix(".jsonl"), stem.with_suffix(".md")]
     files[0].write_text("".join(json.dumps(r) + "\n" for r in rows))  # every run, as measured
-    rows = combine_repeats(rows)
-    checks = target_checks(rows)
-    text = render(rows, checks)
+    sections, checks = [], []
+    compile_rows = [r for r in rows if r.get("suite", "compile") == "compile"]
+    if compile_rows:
+        compile_rows = combine_repeats(compile_rows)
+        compile_checks = target_checks(compile_rows)
+        sections.append(render(compile_rows, compile_checks))
+        checks += compile_checks
+        if plots:
+            files += plot(compile_rows, stem)
+    warm_rows = _runs_numbered([r for r in rows if r.get("suite") == "warm-start"])
+    if warm_rows:
+        sections.append(warm_start.render(warm_rows))
+        checks += warm_start.target_checks(warm_rows)
+    bucket_rows = [r for r in rows if r.get("suite") == "buckets"]
+    if bucket_rows:
+        sections.append(buckets.render(bucket_rows))
+    text = "\n".join(sections)
+    if not compile_rows:
+        text = f"{describe_suite_run(rows)}\n\n{text}"
     files[1].write_text(text)
     with open(stem.with_name(name + "_targets.json"), "w") as f:
         json.dump(checks, f, indent=1)
     files.append(stem.with_name(name + "_targets.json"))
-    if plots:
-        files += plot(rows, stem)
     return text, files
+
+
+def _runs_numbered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Number the repeats of the warm-start rows (`run`), counting a new run at each cold row."""
+    run, numbered = 0, []
+    for r in rows:
+        run += r["variant"] == "cold"
+        numbered.append(dict(r, run=max(run, 1)))
+    return numbered
+
+
+def describe_suite_run(rows: list[dict[str, Any]]) -> str:
+    """What the rows of the warm-start and bucket suites share: model, versions, device, backend."""
+    done = _ok(rows) or rows
+    def values(key: str) -> str:
+        return "/".join(str(v) for v in dict.fromkeys(r.get(key) for r in done if r.get(key) is not None))
+
+    return (f"Llama-style causal LM `{values('model')}` with random weights, {values('workload')} at batch "
+            f"{values('batch')}, {values('dtype')}, backend {values('backend')}; torch {values('torch')}, "
+            f"{values('device')}, {values('threads')} threads.")
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:

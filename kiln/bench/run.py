@@ -6,6 +6,7 @@ Depends on the standard library and kiln.bench.plan; never imports torch (the ch
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -32,31 +33,65 @@ def run_rows(
     on_row: Callable[[int, Row, dict[str, Any]], None] | None = None,
     on_start: Callable[[int, Row], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Measure each row in order; rows past `budget_s` are returned as skipped, not run."""
+    """Measure each row in order; rows past `budget_s` are returned as skipped, not run. A
+    warm-start row starts from the cache folder of the latest cold row of its case."""
     results = []
     begin = time.perf_counter()
-    for index, row in enumerate(rows):
-        left = None if budget_s is None else budget_s - (time.perf_counter() - begin)
-        if left is not None and left < MIN_ROW_S:
-            result = dict(row.as_dict(), skipped=f"budget of {budget_s:.0f} s spent")
-        else:
-            if on_start:
-                on_start(index, row)
-            result = run_row(row, timeout_s=row_timeout_s if left is None else min(row_timeout_s, left))
-        results.append(result)
-        if on_row:
-            on_row(index, row, result)
+    workspace = Path(tempfile.mkdtemp(prefix="kiln_bench_warm_"))
+    colds: dict[tuple, Path] = {}  # a warm-start case -> the folder its latest cold row wrote
+    try:
+        for index, row in enumerate(rows):
+            left = None if budget_s is None else budget_s - (time.perf_counter() - begin)
+            if left is not None and left < MIN_ROW_S:
+                result = dict(row.as_dict(), skipped=f"budget of {budget_s:.0f} s spent")
+            else:
+                if on_start:
+                    on_start(index, row)
+                timeout_s = row_timeout_s if left is None else min(row_timeout_s, left)
+                if row.suite == "warm-start":
+                    result = _run_warm_start_row(row, index, workspace, colds, timeout_s)
+                else:
+                    result = run_row(row, timeout_s=timeout_s)
+            results.append(result)
+            if on_row:
+                on_row(index, row, result)
+    finally:
+        shutil.rmtree(workspace, ignore_errors=True)
     return results
 
 
 def run_row(row: Row, timeout_s: float = 1800) -> dict[str, Any]:
     """Measure one row in a fresh interpreter with empty Inductor and Triton caches, deleted after."""
-    command = [sys.executable, "-m", "kiln.bench.measure", json.dumps(row.as_dict())]
     with empty_compiler_caches() as caches:
-        env = dict(os.environ, **caches)
-        # The child measures the kiln this process runs, installed or not.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(KILN_ROOT), os.environ.get("PYTHONPATH")) if p)
-        return run_measuring_process(command, row.as_dict(), env=env, timeout_s=timeout_s, device=row.device)
+        return _run_child(row, caches, timeout_s)
+
+
+def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple, Path],
+                        timeout_s: float) -> dict[str, Any]:
+    """A warm-start row: a fresh interpreter whose KILN_COMPILE_CACHE_DIR holds what its variant keeps
+    of the case's cold folder (Kiln points Inductor into that folder; nothing else is set)."""
+    from kiln.bench.warm_start import prepare_folder
+
+    case = dataclasses.astuple(dataclasses.replace(row, variant=""))
+    folder = workspace / f"row{index}"
+    if row.variant == "cold":
+        folder.mkdir()
+        colds[case] = folder
+    elif case not in colds:
+        return dict(row.as_dict(), error="no cold row of this case ran before it: nothing to start warm from")
+    else:
+        prepare_folder(row.variant, colds[case], folder)
+    return _run_child(row, {"KILN_COMPILE_CACHE_DIR": str(folder)}, timeout_s)
+
+
+def _run_child(row: Row, caches: dict[str, str], timeout_s: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", "kiln.bench.measure", json.dumps(row.as_dict())]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") and not k.startswith("KILN_")}
+    env.update(caches)
+    # The child measures the kiln this process runs, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(KILN_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return run_measuring_process(command, row.as_dict(), env=env, timeout_s=timeout_s, device=row.device)
 
 
 @contextlib.contextmanager
@@ -132,5 +167,10 @@ def progress_tail(result: dict[str, Any]) -> str:
         return f"{head}  ERROR: {result['error'][:300]}"
     busy = result.get("busy_cores_before") or 0
     note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
+    suite = result.get("suite", "compile")
+    if suite != "compile":
+        from kiln.bench import buckets, warm_start
+
+        return f"{head}  {(warm_start if suite == 'warm-start' else buckets).progress(result)}{note}"
     return (f"{head}  compile {result['compile_s']:.1f} s, steady {result['steady_ms']:.2f} ms, "
             f"peak {result['peak_mib']:.0f} MiB{note}")

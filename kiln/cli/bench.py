@@ -1,4 +1,6 @@
-"""`kiln bench`: the compile benchmark (eager, full, regional; Kiln's and Accelerate's) by model and batch.
+"""`kiln bench`: every benchmark Kiln publishes, as plans: the compile benchmark (eager, full, regional;
+Kiln's and Accelerate's) by model and batch, warm starts (`--plan warm-start`) and shape buckets
+(`--plan buckets`).
 
 Depends on kiln.bench only; never on the facade.
 """
@@ -11,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln.bench.plan import ACCELERATE_METHODS, METHODS, MODEL_SIZES, MODES, PLANS, WORKLOADS, build_rows, check_choices
+from kiln.bench.plan import (ACCELERATE_METHODS, METHODS, MODEL_SIZES, MODES, PLANS, SUITE_VARIANTS, WORKLOADS,
+                             build_rows, check_choices)
 from kiln.bench.report import load_rows, write_results
 from kiln.bench.run import progress_head, progress_tail, run_rows
 
@@ -27,11 +30,19 @@ def add_parser(commands: Any) -> None:
                     "The default plan on a CPU (`cpu`: 19 rows; a 4-layer model for inference at batch 1, "
                     "4 and 16 and a training step at batch 4, a 12-layer one for inference at batch 4) "
                     "takes about 8 minutes on 2 cores; on a GPU the "
-                    "default is `gpu` (1B, 3B, 8B; budget it with --budget).")
+                    "default is `gpu` (1B, 3B, 8B; budget it with --budget). `--plan warm-start`: the first "
+                    "training step of fresh processes whose Kiln cache folder holds nothing, part or all of "
+                    "a cold run's (about 2 minutes); `--plan buckets`: recompiles and time over one epoch of "
+                    "variable-length batches with and without shape buckets (about a minute, aot_eager).")
     parser.add_argument("--plan", choices=list(PLANS), default=None,
                         help="what to measure (default: gpu on a CUDA device, else cpu)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager checks logic fast)")
+    parser.add_argument("--backend", default=None,
+                        help="torch.compile backend (default: the plan's, inductor but for buckets' aot_eager; "
+                             "aot_eager checks logic fast)")
+    parser.add_argument("--variants", type=_list, default=None,
+                        help="comma list replacing a suite plan's variants: "
+                             + "; ".join(f"{suite}: {', '.join(v)}" for suite, v in SUITE_VARIANTS.items() if suite != "compile"))
     parser.add_argument("--models", type=_list, default=None,
                         help=f"comma list replacing the plan's models: {', '.join(MODEL_SIZES)}")
     parser.add_argument("--workloads", type=_list, default=None, help=f"comma list of {', '.join(WORKLOADS)}")
@@ -93,7 +104,10 @@ def plan_rows(args: argparse.Namespace, device: str, with_accelerate: bool) -> l
                              "(pip install accelerate, or the 'bench' extra)")
     if args.modes:
         check_choices(args.modes, MODES, "mode")
-    if args.backend not in torch._dynamo.list_backends(exclude_tags=()):
+    if args.variants:
+        suites = {group.suite for group in PLANS[args.plan]}
+        check_choices(args.variants, [v for suite in suites for v in SUITE_VARIANTS[suite] if v], f"variant of plan {args.plan}")
+    if args.backend is not None and args.backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"unknown backend {args.backend!r}; choose one of: "
                          f"{', '.join(torch._dynamo.list_backends(exclude_tags=()))}")
     for flag, value in (("--steps", args.steps), ("--seq", args.seq), ("--threads", args.threads),
@@ -105,7 +119,7 @@ def plan_rows(args: argparse.Namespace, device: str, with_accelerate: bool) -> l
     return build_rows(args.plan, device=device, backend=args.backend, models=args.models,
                       workloads=args.workloads, batches=args.batch_sizes, methods=args.methods,
                       modes=args.modes, seq=args.seq, steps=args.steps, threads=args.threads,
-                      with_accelerate=with_accelerate)
+                      variants=args.variants, with_accelerate=with_accelerate)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,8 +147,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     distinct = len(rows)
     rows = [row for _ in range(args.repeat) for row in rows]  # round-robin: slow drifts hit every row alike
-    print(f"kiln bench: plan {args.plan}, {len(rows)} rows on {device}, backend {args.backend}; "
-          "each row is a fresh process with an empty compiler cache", flush=True)
+    backends = ", ".join(dict.fromkeys(row.backend for row in rows))
+    caches = ("its cache folder as its variant says" if {row.suite for row in rows} == {"warm-start"}
+              else "an empty compiler cache")
+    print(f"kiln bench: plan {args.plan}, {len(rows)} rows on {device}, backend {backends}; "
+          f"each row is a fresh process with {caches}", flush=True)
 
     def head(index: int, row: Any) -> str:
         run_note = f" (run {index // distinct + 1}/{args.repeat})" if args.repeat > 1 else ""

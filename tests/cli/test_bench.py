@@ -159,3 +159,39 @@ def test_repeated_runs_combine_to_their_median_and_keep_the_spread():
     assert regional["steady_ms_runs"] == [30.0, 25.0, 40.0]
     assert "3: 25.00-40.00, 20.0-22.0 |" in results_table([regional, full])
     assert full["error"] == "boom"
+
+
+def test_bucket_plan_counts_the_recompiles_that_buckets_remove(tmp_path, capsys):
+    status = main(["bench", "--device", "cpu", "--plan", "buckets", "--models", "tiny", "--variants",
+                   "static,static-buckets", "--no-plots", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    static, bucketed = read_jsonl(tmp_path / "kiln_bench_buckets.jsonl")
+    assert (static["variant"], bucketed["variant"], static["backend"]) == ("static", "static-buckets", "aot_eager")
+    # Lengths 8-128 padded to each batch's longest give many shapes, a graph each, until Dynamo's
+    # limit; padded to multiples of 32 there are at most 4.
+    assert static["distinct_lengths"] > 4 >= bucketed["distinct_lengths"]
+    assert static["graphs"] > bucketed["graphs"] and bucketed["eager_calls"] == 0
+    assert static["compiled_calls"] > 0 and bucketed["compiled_calls"] > 0
+    table = (tmp_path / "kiln_bench_buckets.md").read_text()
+    assert "| static | False | none |" in table and "| static-buckets | False | multiple_of=32 |" in table
+
+
+@pytest.mark.inductor
+def test_warm_start_plan_loads_the_cold_runs_entry_in_a_fresh_process(tmp_path, capsys):
+    status = main(["bench", "--device", "cpu", "--plan", "warm-start", "--models", "tiny", "--variants",
+                   "cold,warm", "--steps", "1", "--no-plots", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    cold, warm = read_jsonl(tmp_path / "kiln_bench_warm-start.jsonl")
+    assert (cold["hit"], cold["saved"], warm["hit"]) == (False, True, True)
+    assert warm["aotautograd_local_cache_hit_count"] > 0 and cold["aotautograd_local_cache_hit_count"] == 0
+    assert warm["losses"] == cold["losses"]  # the warm code computes what the cold code did
+    targets = json.loads((tmp_path / "kiln_bench_warm-start_targets.json").read_text())
+    assert [t["target"] for t in targets] == ["warm start: warm / cold <= 0.25"]
+
+
+def test_a_warm_variant_without_its_cold_row_is_an_error_not_a_cold_start():
+    (result,) = run_rows([Row(model="tiny", workload="train", batch=2, seq=32, method="regional",
+                              suite="warm-start", variant="warm")])
+    assert "no cold row of this case ran before it" in result["error"]

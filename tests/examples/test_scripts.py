@@ -53,10 +53,3 @@ def test_demo_with_inductor_in_bf16_starts_warm_the_second_time(tmp_path):
     assert "warm-start cache: hits 1, misses 0" in warm, warm
 
 
-def test_compile_benchmark_runs_each_row_in_a_fresh_process(tmp_path):
-    out = _run([str(ROOT / "benchmarks/compile_bench.py"), "--backend", "aot_eager", "--steps", "2",
-                "--methods", "eager,regional", "--workloads", "train", "--layers", "2", "--hidden", "32",
-                "--out", str(tmp_path)], tmp_path)
-    assert re.search(r"\| regional \| train \|", out), out
-    rows = [line for line in (tmp_path / "compile_bench_cpu.jsonl").read_text().splitlines() if line]
-    assert len(rows) == 2

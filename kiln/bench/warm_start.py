@@ -1,0 +1,159 @@
+"""The warm-start suite of `kiln bench`: the first training step of a regional-compiled model when
+Kiln's compile cache folder holds nothing, part of an earlier run's files, or all of them.
+
+Depends on the standard library at import; the child side imports torch, transformers and
+kiln.compile (never the facade). Variants (what lies in the cache folder as the process starts):
+    cold                    nothing; it saves its entry, which the other variants start from
+    warm-inductor-dir-only  a copy of cold's Inductor folder, no Kiln entry (so no artifact load)
+    warm-artifacts-only     a copy of cold's Kiln entry, an empty Inductor folder
+    warm                    both (Kiln's default: the same folder as the previous run)
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm")
+TARGET_RATIO = 0.25  # warm / cold, load + first step
+# Compilation-metrics fields summed over every compiled frame: where the warm path spends its time.
+COUNT_FIELDS = ("aotautograd_local_cache_hit_count", "aotautograd_local_cache_miss_count",
+                "inductor_fx_local_cache_hit_count", "inductor_fx_local_cache_miss_count")
+TIME_FIELDS_US = ("dynamo_cumulative_compile_time_us", "aot_autograd_cumulative_compile_time_us",
+                  "backward_cumulative_compile_time_us")
+
+
+def prepare_folder(variant: str, cold: Path, target: Path) -> None:
+    """Fill `target` (a Kiln cache folder) with the part of cold's folder this variant keeps."""
+    target.mkdir(parents=True)
+    if variant in ("warm-inductor-dir-only", "warm") and (cold / "inductor").is_dir():
+        shutil.copytree(cold / "inductor", target / "inductor", symlinks=True)
+    if variant in ("warm-artifacts-only", "warm"):
+        for entry in cold.glob("*.kiln"):
+            shutil.copy2(entry, target / entry.name)
+
+
+def measure(row: dict[str, Any]) -> dict[str, Any]:
+    """One job start with whatever KILN_COMPILE_CACHE_DIR holds: key, load, compile, first step,
+    steady steps, save, as a training job does with Kiln's compile cache."""
+    import torch
+    from torch._dynamo.utils import get_compilation_metrics
+
+    from kiln.bench.measure import build_model, peak_memory_mib
+    from kiln.compile.cache import CompileCache
+    from kiln.compile.regions import compile_regions, compiled_regions
+
+    if row.get("threads"):
+        torch.set_num_threads(row["threads"])
+    cuda = row["device"] == "cuda"
+    model, config, ids = build_model(row)
+    model.train()
+    model.config.loss_type = model.loss_type = "ForCausalLM"  # see measure.measure
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    cache = CompileCache()
+    cache.activate()
+    start = time.perf_counter()
+    key = cache.key(model, {"backend": row["backend"]}, torch.device(row["device"]))
+    hit = cache.load(key)
+    load_s = time.perf_counter() - start
+    compile_regions(model, backend=row["backend"])
+    losses = []  # the same in every variant if warm code computes what cold code did
+
+    def step() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        begin = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        losses.append(float(loss))
+        return time.perf_counter() - begin
+
+    first_s = step()
+    metrics = list(get_compilation_metrics())  # the first step's compiles only
+    steady = [step() for _ in range(row["steps"])]
+    start = time.perf_counter()
+    saved = cache.save(key)
+    save_s = time.perf_counter() - start
+    median_s = statistics.median(steady)
+    regions = compiled_regions(model)
+    result = dict(row)
+    result.update(
+        hit=hit, saved=saved, load_s=round(load_s, 3), first_step_s=round(first_s, 3),
+        first_s=round(load_s + first_s, 3), compile_s=round(load_s + first_s - median_s, 3),
+        steady_ms=round(median_s * 1e3, 3), step_ms=[round(s * 1e3, 3) for s in steady],
+        save_s=round(save_s, 3), losses=[round(v, 6) for v in losses], graphs=sum(r.graphs for r in regions),
+        compiled_calls=sum(r.calls for r in regions), frames_compiled=len(metrics),
+        cache_stats=cache.stats.as_dict(), peak_mib=round(peak_memory_mib(cuda), 1), torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
+    for name in COUNT_FIELDS:
+        result[name] = sum(getattr(m, name, None) or 0 for m in metrics)
+    for name in TIME_FIELDS_US:
+        result[name.replace("_us", "_s")] = round(sum(getattr(m, name, None) or 0 for m in metrics) / 1e6, 3)
+    if result["compiled_calls"] == 0:
+        result["error"] = "compiled code never ran (0 compiled calls)"
+    return result
+
+
+def _cold_first_s(rows: list[dict[str, Any]]) -> dict[int, float]:
+    return {r.get("run", 1): r["first_s"] for r in rows if r["variant"] == "cold" and "error" not in r}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown, one line per measured process; "vs cold" is load + first step over the same run's cold one."""
+    colds = _cold_first_s(rows)
+    lines = ["| variant | run | entry loaded | first s (load + step) | vs cold | compile s | steady ms | "
+             "AOT cache hit/miss | FX cache hit/miss | dynamo s | AOT s | backward s | process s |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['variant']} | {r.get('run', 1)} | {r.get('error', r.get('skipped'))[:70]} |" + " |" * 10)
+            continue
+        cold = colds.get(r.get("run", 1))
+        lines.append(
+            f"| {r['variant']} | {r.get('run', 1)} | {'yes' if r['hit'] else 'no'} | {r['first_s']:.2f} | "
+            f"{r['first_s'] / cold:.3f} | {r['compile_s']:.2f} | {r['steady_ms']:.1f} | "
+            f"{r['aotautograd_local_cache_hit_count']}/{r['aotautograd_local_cache_miss_count']} | "
+            f"{r['inductor_fx_local_cache_hit_count']}/{r['inductor_fx_local_cache_miss_count']} | "
+            f"{r['dynamo_cumulative_compile_time_s']:.2f} | {r['aot_autograd_cumulative_compile_time_s']:.2f} | "
+            f"{r['backward_cumulative_compile_time_s']:.2f} | {r['process_s']:.1f} |"
+            if cold else f"| {r['variant']} | {r.get('run', 1)} | no cold row in this run |" + " |" * 10)
+    return "\n".join(lines)
+
+
+def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """warm / cold (load + first step, medians over runs) against TARGET_RATIO, per warm variant."""
+    by_variant: dict[str, list[float]] = {}
+    for r in rows:
+        if "error" not in r and "skipped" not in r:
+            by_variant.setdefault(r["variant"], []).append(r["first_s"])
+    if "cold" not in by_variant:
+        return []
+    cold = statistics.median(by_variant["cold"])
+    return [{"target": f"warm start: {variant} / cold <= {TARGET_RATIO}", "value": round(statistics.median(v) / cold, 3),
+             "limit": TARGET_RATIO, "met": statistics.median(v) / cold <= TARGET_RATIO}
+            for variant, v in by_variant.items() if variant != "cold"]
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    done = [r for r in rows if "error" not in r and "skipped" not in r]
+    losses = {tuple(r["losses"]) for r in done}
+    same = "Every process computed the same losses." if len(losses) == 1 else \
+        "Note: the processes' losses differ."
+    checks = "\n".join(f"- {c['target']}: {c['value']} ({'met' if c['met'] else 'missed'})" for c in target_checks(rows))
+    return (f"Warm start of a regional-compiled training step (AdamW, the optimizer eager): each row is a fresh "
+            f"process whose Kiln cache folder holds what its variant says ({', '.join(VARIANTS)}).\n\n"
+            f"{table(rows)}\n\n{checks}\n\n{same}\n")
+
+
+def progress(result: dict[str, Any]) -> str:
+    return (f"entry loaded: {result['hit']}, load + first step {result['first_s']:.2f} s, "
+            f"steady {result['steady_ms']:.1f} ms")
