@@ -103,8 +103,9 @@ class CheckpointAPI:
         automatic_checkpoint_naming=True)`), and the next save_state() numbers after it.
 
         The checkpoint may come from another number of processes (DDP, FSDP2 and one process, in any
-        pairing; DeepSpeed only on its own number): the returned report, also a KilnResumeWarning then, says which RNG
-        states were restored and which derived, and how dataloader positions were mapped. Positions
+        pairing; DeepSpeed on two or more, through its universal checkpoint): the returned report,
+        also a KilnResumeWarning then, says which RNG states were restored and which derived, and
+        how dataloader positions were mapped. Positions
         come back only with `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use
         skip_first_batches. `strict=False`: model weights may miss names or hold extra ones."""
         if input_dir is None:

@@ -199,7 +199,7 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
         hook(models, str(folder))
     saved_processes = int(manifest["num_processes"])
     sharded = any(f.startswith("sharded_model_") for f in manifest["files"])
-    _check_layout(folder, manifest, sharded, strategy, saved_processes, num_processes)
+    _check_layout(folder, manifest, sharded, strategy)
     _check_counts(folder, manifest, sharded, models, optimizers, schedulers, custom, dataloaders)
 
     # Read and check everything first; only then change anything.
@@ -211,7 +211,8 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
                 saved = saved_weight_shapes(folder / f"sharded_model_{i}")
                 check_weights(folder / f"sharded_model_{i}", saved, shapes_of(strategy.unwrap(model).state_dict()),
                               strict)
-            loads.append(functools.partial(strategy.load_sharded, folder, i, model, owned, strict=strict))
+            loads.append(functools.partial(strategy.load_sharded, folder, i, model, owned, strict=strict,
+                                           saved_processes=saved_processes))
             continue
         weights = read(folder / f"model_{i}", load_state_dict)
         check_weights(folder / f"model_{i}", shapes_of(weights), shapes_of(strategy.unwrap(model).state_dict()), strict)
@@ -245,28 +246,22 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
     return report
 
 
-def _check_layout(folder: Path, manifest: dict, sharded: bool, strategy: Strategy, saved_processes: int,
-                  num_processes: int) -> None:
-    """DeepSpeed reads and writes only its own shards, on the number of processes that wrote them;
-    every other pairing of checkpoint and strategy loads on any number of processes."""
+def _check_layout(folder: Path, manifest: dict, sharded: bool, strategy: Strategy) -> None:
+    """DeepSpeed reads and writes only its own shards (on another number of processes through its
+    universal checkpoint); every other pairing of checkpoint and strategy loads on any number of processes."""
     saved_strategy = manifest.get("strategy")
     deepspeed_shards = sharded and saved_strategy == "deepspeed"
     if deepspeed_shards and strategy.name != "deepspeed":
         raise ValueError(f"checkpoint {folder} holds DeepSpeed shards, which the {strategy.name} strategy of this "
-                         "run cannot read; load it with DeepSpeed, or take its weights with DeepSpeed's "
-                         "zero_to_fp32.py and start a new optimizer")
+                         "run cannot read (on one process Kiln does not run DeepSpeed); resume it with DeepSpeed on "
+                         "two or more processes, or take its weights with DeepSpeed's zero_to_fp32.py and start a "
+                         "new optimizer")
     if strategy.name == "deepspeed" and not deepspeed_shards:
         instead = ("resume it with FSDP2 or on one process" if sharded else
                    "resume it without DeepSpeed, or load its weights with kiln.load_model(model, "
                    f"'{folder / 'model_0'}') before prepare and start a new optimizer")
         raise ValueError(f"checkpoint {folder} was written {'as FSDP2 shards' if sharded else 'whole'} by the "
                          f"{saved_strategy} strategy, which a DeepSpeed engine cannot read: {instead}")
-    if deepspeed_shards and saved_processes != num_processes:
-        raise ValueError(f"checkpoint {folder} holds DeepSpeed ZeRO shards written by {saved_processes} processes, "
-                         f"and this run has {num_processes}: Kiln resumes DeepSpeed only on the number of processes "
-                         "that saved it. Resume on that many processes, or convert it with DeepSpeed's "
-                         "`python -m deepspeed.checkpoint.ds_to_universal` and load that with DeepSpeed yourself, "
-                         "or take the weights with zero_to_fp32.py and start a new optimizer")
 
 
 def _check_counts(folder: Path, manifest: dict, sharded: bool, models: list, optimizers: list, schedulers: list,

@@ -256,7 +256,11 @@ def test_a_schedule_stepped_at_another_pace_than_saved_is_one_warning(tmp_path):
     assert len([w for w in caught if issubclass(w.category, KilnResumeWarning)]) == 1
 
 
-def test_deepspeed_shards_on_another_number_of_processes_say_what_to_do(tmp_path):
-    with pytest.raises(ValueError, match="written by 2 processes, and this run has 1: Kiln resumes DeepSpeed only "
-                                         "on the number of processes that saved it.*ds_to_universal"):
-        load_into_zero_shards(tmp_path, {"format": 2, "num_processes": 2, "strategy": "deepspeed"})
+def test_a_deepspeed_checkpoint_that_cannot_be_converted_says_what_to_do(tmp_path):
+    from kiln.parallel.deepspeed import convert_to_universal
+
+    (tmp_path / "shards").mkdir()  # no engine checkpoint in it
+    with pytest.raises(RuntimeError, match="written by 2 processes, and DeepSpeed's converter to its universal "
+                                           "checkpoint, which loads on another number, failed: .*Resume on 2 processes"):
+        convert_to_universal(tmp_path / "shards", tmp_path / "universal", 2)
+    assert not (tmp_path / "universal").exists()

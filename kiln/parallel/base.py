@@ -74,9 +74,11 @@ class Strategy:
         raise NotImplementedError(f"{self.name} writes whole checkpoints")
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
-                     optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
+                     optimizers: list[torch.optim.Optimizer], strict: bool = True,
+                     saved_processes: int | None = None) -> None:
         """Shards written by FSDP2 (DCP), on any number of processes, into this run's whole model:
-        every process reads every tensor. A strategy with its own shard format overrides this."""
+        every process reads every tensor. A strategy with its own shard format overrides this.
+        `saved_processes`: how many processes wrote them (DCP's metadata makes it irrelevant here)."""
         load_dcp(folder / f"sharded_model_{index}", self.unwrap(model), optimizers, strict=strict)
 
     def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],

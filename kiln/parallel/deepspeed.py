@@ -2,7 +2,8 @@
 own checkpoints; Kiln fills the engine's config from the Accelerator's settings.
 
 Depends on torch, kiln.optim, kiln.checkpoint and kiln.parallel.base; DeepSpeed itself is imported only when a
-DeepSpeed strategy is built (`pip install 'kiln-torch[deepspeed]'`). The model arrives compiled in place,
+DeepSpeed strategy is built (`pip install 'kiln-torch[deepspeed]'`), and its checkpoint converter runs as
+a child process when a checkpoint is resumed on another number of processes. The model arrives compiled in place,
 so `engine.module` is the user's module running its compiled blocks (DESIGN.md).
 """
 
@@ -11,6 +12,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -375,15 +379,38 @@ class DeepSpeedStrategy(Strategy):
         return name
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
-                     optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
+                     optimizers: list[torch.optim.Optimizer], strict: bool = True,
+                     saved_processes: int | None = None) -> None:
+        """The engine's checkpoint; written by another number of processes, it is converted first
+        into DeepSpeed's universal checkpoint, which ZeRO reads on any number of processes."""
         name = f"sharded_model_{index}"
         if model is not self.engine:
             model.load_state_dict(load_state_dict(folder / name), strict=strict)
             return
-        path, _ = self.engine.load_checkpoint(str(folder), tag=name, load_module_strict=strict,
+        if saved_processes is None or saved_processes == torch.distributed.get_world_size():
+            self._load_engine(folder, name, strict)
+            return
+        universal = folder.with_name(f".{folder.name}.{name}.universal")
+        if torch.distributed.get_rank() == 0:
+            convert_to_universal(folder / name, universal, saved_processes)
+        torch.distributed.barrier()
+        config = self.engine._config
+        before = config.load_universal_checkpoint
+        # The engine reads this flag only while loading (DeepSpeed 0.19.8), so it is set for this load alone.
+        config.load_universal_checkpoint = True
+        try:
+            self._load_engine(universal.parent, universal.name, strict)
+        finally:
+            config.load_universal_checkpoint = before
+            torch.distributed.barrier()
+            if torch.distributed.get_rank() == 0:
+                shutil.rmtree(universal, ignore_errors=True)
+
+    def _load_engine(self, load_dir: Path, tag: str, strict: bool) -> None:
+        path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_strict=strict,
                                               load_optimizer_states=True, load_lr_scheduler_states=False)
         if path is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint {name} in {folder}")
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag} in {load_dir}")
 
     def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
                    model_state: dict[str, torch.Tensor], optimizer_states: list[dict],
@@ -391,6 +418,24 @@ class DeepSpeedStrategy(Strategy):
         raise NotImplementedError("a DeepSpeed engine reads only its own checkpoints; this one was written whole "
                                   "(one process, DDP or FSDP2 on one process): load it with that strategy, or load "
                                   "its weights with kiln.load_model before prepare and start a new optimizer")
+
+
+def convert_to_universal(shards: Path, out: Path, saved_processes: int) -> None:
+    """DeepSpeed's own converter (`deepspeed.checkpoint.ds_to_universal`) from one engine
+    checkpoint's ZeRO shards to its universal layout. Engines outside Megatron-DeepSpeed write no
+    `universal_checkpoint_info`, which the converter requires, so it is told to add it."""
+    shutil.rmtree(out, ignore_errors=True)
+    done = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(shards),
+                           "--output_folder", str(out), "--inject_missing_state"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(out, ignore_errors=True)
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the DeepSpeed checkpoint {shards} was written by {saved_processes} processes, and "
+                           f"DeepSpeed's converter to its universal checkpoint, which loads on another number, "
+                           f"failed: {last} (it reads Adam-family optimizer state only). Resume on "
+                           f"{saved_processes} processes, or take the weights with zero_to_fp32.py beside the "
+                           "checkpoint and start a new optimizer")
 
 
 class EngineOptimizer(PreparedOptimizer):

@@ -102,7 +102,8 @@ class FSDPStrategy(Strategy):
         return name
 
     def load_sharded(self, folder: Path, index: int, model: nn.Module,
-                     optimizers: list[torch.optim.Optimizer], strict: bool = True) -> None:
+                     optimizers: list[torch.optim.Optimizer], strict: bool = True,
+                     saved_processes: int | None = None) -> None:
         load_dcp(folder / f"sharded_model_{index}", model, optimizers, strict=strict)  # on any number of processes
 
     def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],

@@ -1,6 +1,7 @@
 """Resuming on another number of processes than saved: 2 -> 1 and 1 -> 2, under DDP (whole
 checkpoints) and FSDP2 (DCP shards, read as whole weights on one process and resharded from whole
-weights on two). The remaining losses and the final weights equal the uninterrupted run's."""
+weights on two), and DeepSpeed ZeRO 2 -> 3 (through DeepSpeed's universal checkpoint). The
+remaining losses and the final weights equal the uninterrupted run's."""
 
 import pytest
 import torch
@@ -89,3 +90,19 @@ def test_damaged_or_foreign_fsdp2_checkpoints_are_named_errors(tmp_path):
     data.write_bytes(data.read_bytes()[:-64])
     truncated = run_failing(tmp_path, 1, *common, "--resume-from", str(tmp_path / "ckpt"))
     assert "is damaged: sharded_model_0/__0_0.distcp has" in truncated and "the save wrote" in truncated
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_resumes_on_more_processes_through_its_universal_checkpoint(tmp_path, stage):
+    # Saved by 2 processes, resumed by 3 (DeepSpeed needs two or more): Kiln converts the ZeRO
+    # shards with DeepSpeed's own converter. AdamW: the converter reads Adam-family state only.
+    common = ["--model", "llama", "--zero-stage", str(stage), "--stateful"]
+    whole = run_worker(tmp_path, 2, *common, "--save-weights", str(tmp_path / "whole.pt"))
+    more = resume_across(tmp_path, 2, 3, common)
+    assert more["distributed_type"] == "DEEPSPEED" and more["processes"] == 3
+    assert more["load_report"]["rng_derived"] == [2]
+    assert len(whole["losses"]) == 2 and len(more["losses"]) == 1
+    assert abs(more["losses"][0] - whole["losses"][1]) < 1e-5, (more["losses"], whole["losses"])
+    final, expected = torch.load(tmp_path / "save2/resumed.pt"), torch.load(tmp_path / "whole.pt")
+    assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-5
+    assert not any(p.name.endswith(".universal") for p in (tmp_path / "save2").iterdir())  # converted copy removed
