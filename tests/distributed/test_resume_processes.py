@@ -1,6 +1,6 @@
 """Resuming on another number of processes than saved: 2 -> 1 and 1 -> 2, under DDP (whole
 checkpoints) and FSDP2 (DCP shards, read as whole weights on one process and resharded from whole
-weights on two), and DeepSpeed ZeRO 2 -> 3 (through DeepSpeed's universal checkpoint). The
+weights on two), and DeepSpeed ZeRO-3 2 -> 3 (through DeepSpeed's universal checkpoint). The
 remaining losses and the final weights equal the uninterrupted run's."""
 
 import pytest
@@ -92,17 +92,19 @@ def test_damaged_or_foreign_fsdp2_checkpoints_are_named_errors(tmp_path):
     assert "is damaged: sharded_model_0/__0_0.distcp has" in truncated and "the save wrote" in truncated
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_zero_resumes_on_more_processes_through_its_universal_checkpoint(tmp_path, stage):
-    # Saved by 2 processes, resumed by 3 (DeepSpeed needs two or more): Kiln converts the ZeRO
-    # shards with DeepSpeed's own converter. AdamW: the converter reads Adam-family state only.
-    common = ["--model", "llama", "--zero-stage", str(stage), "--stateful"]
+def test_deepspeed_zero3_resumes_on_more_processes_through_its_universal_checkpoint(tmp_path):
+    # Saved by 2 processes, resumed by 3 (DeepSpeed needs two or more): Kiln converts the ZeRO-3
+    # shards with DeepSpeed's own converter (AdamW: it reads Adam-family state only). The oracle is
+    # the uninterrupted DeepSpeed run: after two AdamW steps the plain loop's weights differ from any
+    # 2-process run's by up to 6e-4, as Adam magnifies the reduction order's rounding in tiny gradients.
+    common = ["--model", "llama", "--stateful", "--zero-stage", "3"]
     whole = run_worker(tmp_path, 2, *common, "--save-weights", str(tmp_path / "whole.pt"))
     more = resume_across(tmp_path, 2, 3, common)
     assert more["distributed_type"] == "DEEPSPEED" and more["processes"] == 3
-    assert more["load_report"]["rng_derived"] == [2]
+    assert more["load_report"]["saved_processes"] == 2 and more["load_report"]["rng_derived"] == [2]
     assert len(whole["losses"]) == 2 and len(more["losses"]) == 1
     assert abs(more["losses"][0] - whole["losses"][1]) < 1e-5, (more["losses"], whole["losses"])
     final, expected = torch.load(tmp_path / "save2/resumed.pt"), torch.load(tmp_path / "whole.pt")
+    assert final.keys() == expected.keys()
     assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-5
     assert not any(p.name.endswith(".universal") for p in (tmp_path / "save2").iterdir())  # converted copy removed
