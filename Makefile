@@ -33,8 +33,13 @@ test: $(DEV_STAMP)
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest tests -q -m "not inductor"
 
+# Every benchmark result committed under benchmarks/results (the CPU ones; about 21 minutes on 2 cores).
 bench: $(DEV_STAMP)
-	$(VENV)/bin/kiln bench
+	$(VENV)/bin/kiln bench --out benchmarks/results --name kiln_bench_cpu
+	$(VENV)/bin/kiln bench --models small --methods eager,full,regional,accelerate-regional --batch-sizes 4 \
+		--repeat 3 --out benchmarks/results --name kiln_bench_cpu_repeat3
+	$(VENV)/bin/kiln bench --plan warm-start --out benchmarks/results --name kiln_bench_warm_start_cpu
+	$(VENV)/bin/kiln bench --plan buckets --out benchmarks/results --name kiln_bench_buckets_cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info
