@@ -35,15 +35,18 @@ def assert_continues(whole, resumed, whole_weights, resumed_weights):
 @pytest.mark.parametrize("strategy", [[], ["--fsdp", "--split-batches"]], ids=["ddp", "fsdp2"])
 def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, strategy):
     common = ["--epochs", "2", "--shuffle", "--stateful", *strategy] + ([] if strategy else ["--constant-lr"])
-    whole = run_worker(tmp_path, 2, *common, "--save-weights", str(tmp_path / "whole.pt"))
+    # Uninterrupted, but for a save after step 1 (which changes nothing), which the run on 1 process resumes.
+    whole = run_worker(tmp_path, 2, *common, "--save-at", "1", "--keep-training",
+                       "--save-weights", str(tmp_path / "whole.pt"))
     assert len(whole["losses"]) == 4
 
-    fewer = resume_across(tmp_path, 2, 1, common)
+    fewer = run_worker(tmp_path, 1, *common, "--resume-from", str(tmp_path / "ckpt"),
+                       "--save-weights", str(tmp_path / "fewer.pt"))
     assert fewer["processes"] == 1
     assert fewer["load_report"]["saved_processes"] == 2
     assert fewer["load_report"]["rng_restored"] == [0] and fewer["load_report"]["rng_derived"] == []
     assert fewer["load_report"]["data"] == []  # the same global batch: positions carry over as saved
-    assert_continues(whole, fewer, tmp_path / "whole.pt", tmp_path / "save2/resumed.pt")
+    assert_continues(whole, fewer, tmp_path / "whole.pt", tmp_path / "fewer.pt")
 
     more = resume_across(tmp_path, 1, 2, common)
     assert more["distributed_type"] == ("FSDP" if strategy else "MULTI_CPU")
@@ -51,7 +54,7 @@ def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, 
     assert more["checksums"][0] == more["checksums"][1]
     assert_continues(whole, more, tmp_path / "whole.pt", tmp_path / "save1/resumed.pt")
     if strategy:  # two processes wrote shards, one read them whole; one wrote whole files, two sharded them
-        assert (tmp_path / "save2/ckpt/sharded_model_0/.metadata").is_file()
+        assert (tmp_path / "ckpt/sharded_model_0/.metadata").is_file()
         assert (tmp_path / "save1/ckpt/model_0/model.safetensors").is_file()
 
 
@@ -99,13 +102,15 @@ def test_deepspeed_zero3_resumes_on_more_processes_through_its_universal_checkpo
     # 2-process ZeRO-3 run's by up to 6e-4 (losses by 2e-6); Adam's normalised first steps can turn
     # reduction-order rounding of tiny gradients into differences of that size.
     common = ["--model", "llama", "--stateful", "--zero-stage", "3"]
-    whole = run_worker(tmp_path, 2, *common, "--save-weights", str(tmp_path / "whole.pt"))
-    more = resume_across(tmp_path, 2, 3, common)
+    whole = run_worker(tmp_path, 2, *common, "--save-at", "1", "--keep-training",
+                       "--save-weights", str(tmp_path / "whole.pt"))
+    more = run_worker(tmp_path, 3, *common, "--resume-from", str(tmp_path / "ckpt"),
+                      "--save-weights", str(tmp_path / "more.pt"))
     assert more["distributed_type"] == "DEEPSPEED" and more["processes"] == 3
     assert more["load_report"]["saved_processes"] == 2 and more["load_report"]["rng_derived"] == [2]
     assert len(whole["losses"]) == 2 and len(more["losses"]) == 1
     assert abs(more["losses"][0] - whole["losses"][1]) < 1e-5, (more["losses"], whole["losses"])
-    final, expected = torch.load(tmp_path / "save2/resumed.pt"), torch.load(tmp_path / "whole.pt")
+    final, expected = torch.load(tmp_path / "more.pt"), torch.load(tmp_path / "whole.pt")
     assert final.keys() == expected.keys()
     assert max((final[k] - expected[k]).abs().max().item() for k in final) < 1e-5
-    assert not any(p.name.endswith(".universal") for p in (tmp_path / "save2").iterdir())  # converted copy removed
+    assert not any(p.name.endswith(".universal") for p in tmp_path.iterdir())  # converted copy removed

@@ -114,6 +114,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--shuffle", action="store_true")
     parser.add_argument("--save-at", type=int, default=0, help="save_state after this many steps, then stop")
+    parser.add_argument("--keep-training", action="store_true", help="after --save-at, train on to the end")
     parser.add_argument("--resume-from", default=None)
     parser.add_argument("--stateful", action="store_true")
     parser.add_argument("--split-batches", action="store_true", help="the loader's batch is the global batch")
@@ -206,8 +207,9 @@ def main() -> None:
                 progress.steps += 1
                 if progress.steps == args.save_at:
                     acc.save_state(os.path.join(os.path.dirname(args.out), "ckpt"))
-                    break
-        if progress.steps == args.save_at:
+                    if not args.keep_training:
+                        break
+        if progress.steps == args.save_at and not args.keep_training:
             break
         progress.epoch += 1
         progress.batches = 0
