@@ -105,9 +105,9 @@ class CheckpointAPI:
         The checkpoint may come from another number of processes (DDP, FSDP2 and one process, in any
         pairing; DeepSpeed on two or more, through its universal checkpoint): the returned report,
         also a KilnResumeWarning then, says which RNG states were restored and which derived, and
-        how dataloader positions were mapped. Positions
-        come back only with `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use
-        skip_first_batches. `strict=False`: model weights may miss names or hold extra ones."""
+        how dataloader positions were mapped. Positions come back only with
+        `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches.
+        `strict=False`: model weights may miss names or hold extra ones."""
         if input_dir is None:
             number, input_dir = latest_checkpoint(self.project_configuration)
             self.project_configuration.iteration = number + 1

@@ -205,7 +205,8 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
     # Read and check everything first; only then change anything.
     loads: list[Callable[[], None]] = []
     for i, model in enumerate(models):
-        owned = [opt.optimizer for opt in _optimizers_of(model, optimizers)]
+        prepared = _optimizers_of(model, optimizers)
+        owned = [opt.optimizer for opt in prepared]
         if sharded:
             if strategy.name != "deepspeed":
                 saved = saved_weight_shapes(folder / f"sharded_model_{i}")
@@ -217,7 +218,7 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
         weights = read(folder / f"model_{i}", load_state_dict)
         check_weights(folder / f"model_{i}", shapes_of(weights), shapes_of(strategy.unwrap(model).state_dict()), strict)
         if strategy.sharded_checkpoints:  # whole files into shards: each model takes its own optimizers
-            states = [_read_optimizer(folder, optimizers.index(opt), opt) for opt in _optimizers_of(model, optimizers)]
+            states = [_read_optimizer(folder, optimizers.index(opt), opt) for opt in prepared]
             loads.append(functools.partial(strategy.load_whole, model, owned, weights, states, strict=strict))
         else:  # whole into whole: the optimizers follow, by their index
             loads.append(functools.partial(strategy.load_whole, model, [], weights, [], strict=strict))
@@ -234,9 +235,11 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
     for i, loader in enumerate(dataloaders):
         position = read(folder / f"dataloader_{i}.json", lambda path: json.loads(path.read_text()))
         loads.append(functools.partial(loader.load_state_dict, position))
-    report = LoadReport(str(folder), saved_processes, num_processes)
+    report = LoadReport(str(folder), saved_processes, num_processes,
+                        rng_restored=list(range(min(saved_processes, num_processes))),
+                        rng_derived=list(range(saved_processes, num_processes)))
     _check_scheduler_pace(manifest, schedulers, process_index)
-    rng = _rng_for(folder, process_index, saved_processes, report)
+    rng = _rng_for(folder, process_index, saved_processes)
 
     for load in loads:
         load()
@@ -303,11 +306,9 @@ def _read_optimizer(folder: Path, index: int, optimizer: Any) -> dict[str, Any]:
     return state
 
 
-def _rng_for(folder: Path, process_index: int, saved_processes: int, report: LoadReport) -> dict[str, Any]:
+def _rng_for(folder: Path, process_index: int, saved_processes: int) -> dict[str, Any]:
     """This process's saved RNG states; for a process index the save did not have, states seeded
     from process 0's and the index, the same in every run resumed from this checkpoint."""
-    report.rng_restored = list(range(min(saved_processes, report.processes)))
-    report.rng_derived = list(range(saved_processes, report.processes))
     if process_index < saved_processes:
         return read(folder / f"random_states_{process_index}.pkl", _unpickle)
     base = read(folder / "random_states_0.pkl", _unpickle)

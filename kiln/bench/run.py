@@ -37,7 +37,9 @@ def run_rows(
     warm-start row starts from the cache folder of the latest cold row of its case."""
     results = []
     begin = time.perf_counter()
-    workspace = Path(tempfile.mkdtemp(prefix="kiln_bench_warm_"))
+    # Warm-start rows' cache folders; made only when the plan has such rows.
+    warm = any(row.suite == "warm-start" for row in rows)
+    workspace = Path(tempfile.mkdtemp(prefix="kiln_bench_warm_")) if warm else None
     colds: dict[tuple, Path] = {}  # a warm-start case -> the folder its latest cold row wrote
     try:
         for index, row in enumerate(rows):
@@ -56,7 +58,8 @@ def run_rows(
             if on_row:
                 on_row(index, row, result)
     finally:
-        shutil.rmtree(workspace, ignore_errors=True)
+        if workspace is not None:
+            shutil.rmtree(workspace, ignore_errors=True)
     return results
 
 

@@ -36,11 +36,10 @@ def build_command(settings: dict[str, Any], script: str, script_args: list[str])
         return [sys.executable, script, *script_args]
     per_machine = settings["num_processes"] // settings["num_machines"]
     restarts = [f"--max_restarts={settings['max_restarts']}"] if settings["max_restarts"] else []
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={per_machine}",
-               f"--nnodes={settings['num_machines']}", f"--node_rank={settings['machine_rank']}",
-               f"--master_addr={settings['main_process_ip']}", f"--master_port={settings['main_process_port']}",
-               *restarts]
-    return [*command, script, *script_args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={per_machine}",
+            f"--nnodes={settings['num_machines']}", f"--node_rank={settings['machine_rank']}",
+            f"--master_addr={settings['main_process_ip']}", f"--master_port={settings['main_process_port']}",
+            *restarts, script, *script_args]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -412,13 +412,6 @@ class DeepSpeedStrategy(Strategy):
         if path is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint {tag} in {load_dir}")
 
-    def load_whole(self, model: nn.Module, optimizers: list[torch.optim.Optimizer],
-                   model_state: dict[str, torch.Tensor], optimizer_states: list[dict],
-                   strict: bool = True) -> None:
-        raise NotImplementedError("a DeepSpeed engine reads only its own checkpoints; this one was written whole "
-                                  "(one process, DDP or FSDP2 on one process): load it with that strategy, or load "
-                                  "its weights with kiln.load_model before prepare and start a new optimizer")
-
 
 def convert_to_universal(shards: Path, out: Path, saved_processes: int) -> None:
     """DeepSpeed's own converter (`deepspeed.checkpoint.ds_to_universal`) from one engine
