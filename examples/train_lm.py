@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--mode", default=None)
     parser.add_argument("--full", action="store_true", help="compile the whole model instead of its blocks")
+    parser.add_argument("--precompile", action="store_true",
+                        help="precompiled regions: a second run loads them with no Dynamo trace")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--out", default="out/train_lm", help="where the trained weights go")
     parser.add_argument("--seed", type=int, default=0)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.precision = "bf16" if torch.cuda.is_available() else "no"
     set_seed(args.seed)
     plugin = TorchDynamoPlugin(backend=args.backend, mode=args.mode, fullgraph=True, dynamic=False,
-                               use_regional_compilation=not args.full)
+                               use_regional_compilation=not args.full, precompile=args.precompile or None)
     accelerator = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
                               gradient_accumulation_steps=args.grad_accum)
     loader, tokenizer = build_loader(args)
@@ -160,8 +162,12 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator.print(f"steady step      {steady * 1000:.0f} ms")
     accelerator.print(f"graphs           {report.graphs}")
     for region in report.regions:
+        how = f"{region.ran}, {region.traces} Dynamo trace(s) in this run"
+        if region.precompiled_loaded:
+            how += f", {region.precompiled_loaded} precompiled artifact(s) loaded in {region.precompile_load_seconds:.1f} s"
         accelerator.print(f"compiled region  {region.name}: {region.instances} instance(s) share "
-                          f"{region.graphs} graph(s), ran compiled {region.compiled_calls} times")
+                          f"{region.graphs or region.precompiled_loaded} graph(s), ran compiled "
+                          f"{region.compiled_calls} times ({how})")
     if report.silent_regions:
         accelerator.print(f"WARNING: these regions never ran compiled code: {report.silent_regions}")
     accelerator.print(f"weights          {args.out}/ (safetensors, plain keys)")

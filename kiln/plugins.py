@@ -85,6 +85,10 @@ class TorchDynamoPlugin:
     # (None: KILN_COMPILE_CACHE_DIR, default ~/.cache/kiln/compile).
     cache: bool | None = None
     cache_dir: str | None = None
+    # Precompiled regions (None: KILN_DYNAMO_PRECOMPILE, default off; they need fullgraph=True and
+    # static shapes): each call signature is compiled ahead of time into the cache folder, and
+    # later runs load it without a Dynamo trace.
+    precompile: bool | None = None
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +112,9 @@ class TorchDynamoPlugin:
             self.use_regional_compilation = parse_bool(raw, name) if raw is not None else False
         if self.recompile is None:
             self.recompile = _env("RECOMPILE", env) or "warn"
+        if self.precompile is None:  # stays None (off) unless the variable is set
+            raw = _env("PRECOMPILE", env)
+            self.precompile = parse_bool(raw, ENV_PREFIX + "PRECOMPILE") if raw is not None else None
         if self.block_classes is not None:
             self.block_classes = tuple(self.block_classes)
         if self.block_paths is not None:
@@ -134,6 +141,18 @@ class TorchDynamoPlugin:
             raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         if self.cache is not None and not isinstance(self.cache, bool):
             raise TypeError(f"TorchDynamoPlugin.cache must be None or a bool, got {self.cache!r}")
+        if self.precompile is not None and not isinstance(self.precompile, bool):
+            raise TypeError(f"TorchDynamoPlugin.precompile must be None or a bool, got {self.precompile!r}")
+        if self.precompile:
+            if not self.fullgraph:
+                raise ValueError("precompile=True needs fullgraph=True: an ahead-of-time compile takes "
+                                 "whole graphs only")
+            if self.dynamic is True:
+                raise ValueError("precompile=True needs static shapes (dynamic=False or None): artifacts "
+                                 "are made per input signature")
+            if self.cache is False:
+                raise ValueError("precompile=True keeps its artifacts in the compile cache folder; "
+                                 "it cannot be used with cache=False")
         if (self.block_classes or self.block_paths) and not self.use_regional_compilation:
             raise ValueError(
                 "block_classes/block_paths choose the regions of a regional compile; "

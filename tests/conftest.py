@@ -29,3 +29,15 @@ def private_compile_cache(tmp_path_factory):
     folder = tmp_path_factory.mktemp("kiln-compile-cache")
     os.environ["KILN_COMPILE_CACHE_DIR"] = str(folder)
     yield folder
+
+
+@pytest.fixture(autouse=True)
+def private_precompiled_artifacts(private_compile_cache, tmp_path_factory, monkeypatch):
+    """Each test gets a cache folder of its own, so one test's precompiled artifacts never stand in
+    for another's compile; its Inductor folder is the session's (a link), so built kernels stay warm."""
+    folder = tmp_path_factory.mktemp("kiln-cache")
+    shared = private_compile_cache / "inductor"
+    shared.mkdir(exist_ok=True)
+    (folder / "inductor").symlink_to(shared, target_is_directory=True)
+    monkeypatch.setenv("KILN_COMPILE_CACHE_DIR", str(folder))
+    yield folder

@@ -125,6 +125,11 @@ class CompileCache:
         return self.directory / "inductor"
 
     @property
+    def precompiled_dir(self) -> Path:
+        """Where precompiled regions keep their artifacts (kiln/compile/precompiled.py)."""
+        return self.directory / "precompiled"
+
+    @property
     def inductor_dir_in_use(self) -> Path:
         """Where Inductor caches now: the user's TORCHINDUCTOR_CACHE_DIR if set, else Kiln's folder."""
         if self.inductor_dir_source == "user":
@@ -234,12 +239,11 @@ class CompileCache:
         header = {
             "format": FORMAT_VERSION, "key": key, "torch": torch.__version__, "triton": triton_version(),
             "python": platform.python_version(), "created": time.time(),
-            "payload_sha256": payload_digest, "payload_bytes": len(payload),
             "description": self._descriptions.get(key, ""),
             "artifacts": {kind: len(keys) for kind, keys in artifacts.items()}, "artifacts_sha256": contents,
         }
         try:
-            write_atomically(path, MAGIC + canonical_json(header).encode() + b"\n" + payload)
+            write_atomically(path, pack_envelope(MAGIC, header, payload))
         except OSError as exc:
             warnings.warn(f"compile cache entry {path} not written: {exc}", KilnCacheWarning, stacklevel=2)
             return False
@@ -265,8 +269,9 @@ class CompileCache:
         return sorted(found, key=lambda e: (e.created is None, -(e.created or 0), e.file.name))
 
     def clear(self) -> int:
-        """Remove Kiln's entries, stale temporary files and Kiln's Inductor folder; return the number
-        of entries removed. A user-chosen TORCHINDUCTOR_CACHE_DIR is never touched."""
+        """Remove Kiln's entries, stale temporary files, precompiled artifacts and Kiln's Inductor
+        folder; return the number of entries removed. A user-chosen TORCHINDUCTOR_CACHE_DIR is never
+        touched."""
         removed = 0
         for path in self._entry_files():
             try:
@@ -277,6 +282,7 @@ class CompileCache:
         for path in self.directory.glob(TEMP_PREFIX + "*") if self.directory.is_dir() else ():
             path.unlink(missing_ok=True)
         shutil.rmtree(self.inductor_dir, ignore_errors=True)
+        shutil.rmtree(self.precompiled_dir, ignore_errors=True)
         return removed
 
     def _entry_files(self) -> Iterator[Path]:
@@ -289,21 +295,34 @@ class CompileCache:
 
 def read_entry(path: Path) -> tuple[dict[str, Any], bytes]:
     """The header and payload of one entry file; CorruptEntryError says what is wrong with it."""
-    data = Path(path).read_bytes()
-    if not data.startswith(MAGIC):
-        raise CorruptEntryError("it is not a Kiln compile cache entry (bad magic line)")
-    end = data.find(b"\n", len(MAGIC), len(MAGIC) + MAX_HEADER_BYTES)
+    return read_envelope(Path(path).read_bytes(), MAGIC, FORMAT_VERSION, "Kiln compile cache entry",
+                         ("key", "torch"))
+
+
+def pack_envelope(magic: bytes, header: dict[str, Any], payload: bytes) -> bytes:
+    """The bytes of a checked file: the magic line, one JSON header line, the payload. The header
+    gets the payload's size and checksum, which `read_envelope` verifies."""
+    header = {**header, "payload_sha256": hashlib.sha256(payload).hexdigest(), "payload_bytes": len(payload)}
+    return magic + canonical_json(header).encode() + b"\n" + payload
+
+
+def read_envelope(data: bytes, magic: bytes, format_version: int, what: str,
+                  required: tuple[str, ...] = ()) -> tuple[dict[str, Any], bytes]:
+    """(header, payload) of bytes made by `pack_envelope`; CorruptEntryError says what is wrong."""
+    if not data.startswith(magic):
+        raise CorruptEntryError(f"it is not a {what} (bad magic line)")
+    end = data.find(b"\n", len(magic), len(magic) + MAX_HEADER_BYTES)
     if end < 0:
         raise CorruptEntryError("its header line is missing or cut off (truncated file?)")
     try:
-        header = json.loads(data[len(MAGIC):end])
+        header = json.loads(data[len(magic):end])
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptEntryError(f"its header is not valid JSON ({exc})") from None
     if not isinstance(header, dict):
         raise CorruptEntryError("its header is not a JSON object")
-    if header.get("format") != FORMAT_VERSION:
-        raise CorruptEntryError(f"it has format {header.get('format')!r}; this Kiln reads format {FORMAT_VERSION}")
-    missing = [k for k in ("key", "torch", "payload_sha256", "payload_bytes") if k not in header]
+    if header.get("format") != format_version:
+        raise CorruptEntryError(f"it has format {header.get('format')!r}; this Kiln reads format {format_version}")
+    missing = [k for k in (*required, "payload_sha256", "payload_bytes") if k not in header]
     if missing:
         raise CorruptEntryError(f"its header lacks {', '.join(missing)}")
     payload = data[end + 1:]

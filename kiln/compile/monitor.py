@@ -44,6 +44,7 @@ class Watched(Protocol):
     cache_misses: int
     recompile_limit_hit: bool
     warned: set
+    jit_traces: int
 
 
 def check_recompile_policy(policy: str) -> str:
@@ -87,6 +88,7 @@ class CompileMonitor:
             if reason:
                 region.recompile_reasons.append(reason.strip())
             if getattr(record, "co_name", None):
+                region.jit_traces += 1
                 fresh.append((region, record))
         return fresh
 
@@ -105,7 +107,17 @@ class CompileMonitor:
         for owner, record in self.collect():
             reason = getattr(record, "recompile_reason", None)
             if reason and owner.warm:
-                self._apply_policy(owner, reason.strip())
+                self.apply_policy(owner, reason.strip())
+
+    def after_precompile(self, region: Watched, reason: str, first: bool) -> None:
+        """Called when a region compiled a new call signature ahead of time: unless it is the
+        region's first code in this process, that is a recompile (Dynamo records none to read)."""
+        self.collect()
+        if first:
+            return
+        region.recompile_reasons.append(reason)
+        if region.warm:
+            self.apply_policy(region, reason)
 
     def after_eager_call(self, region: Watched) -> None:
         """Called by a region's forward when no compiled code ran during the call."""
@@ -123,7 +135,7 @@ class CompileMonitor:
                 stacklevel=4,
             )
 
-    def _apply_policy(self, region: Watched, reason: str) -> None:
+    def apply_policy(self, region: Watched, reason: str) -> None:
         if region.recompile_policy == "allow":
             return
         message = f"compiled region {region.name} recompiled after warm-up: {reason}"

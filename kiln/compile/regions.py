@@ -15,6 +15,7 @@ around the compiled forward, as FSDP2 and DeepSpeed need).
 from __future__ import annotations
 
 import inspect
+import os
 import types
 import warnings
 import weakref
@@ -27,6 +28,7 @@ from torch import nn
 
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.monitor import MONITOR, check_recompile_policy
+from kiln.compile.precompiled import PrecompiledRegion, UnsupportedCall, unsupported_reason
 from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -45,7 +47,8 @@ class CompiledRegion:
     """One compiled block class (or the whole model) and the instances that share its code.
 
     The counters are filled as the model runs: `invocations` calls of the region, `calls` of them
-    ran compiled code, `eager_calls` ran none (recompile limit hit, or nothing compiled).
+    ran compiled code (JIT-compiled or precompiled), `eager_calls` ran none (recompile limit hit,
+    or nothing compiled). `traces` counts Dynamo traces of the region's frames in this process.
     """
 
     name: str
@@ -67,6 +70,9 @@ class CompiledRegion:
     recompile_limit_hit: bool = False
     warned: set = field(default_factory=set, repr=False)
     base_forward: Callable = field(repr=False, default=None)  # what was compiled
+    jit_traces: int = 0  # Dynamo traces of the JIT entry (counted by the monitor)
+    precompiled: PrecompiledRegion | None = field(repr=False, default=None)
+    precompile_off: str | None = None  # why this region has no precompiled artifacts, when asked for
 
     @property
     def instances(self) -> int:
@@ -74,11 +80,27 @@ class CompiledRegion:
 
     @property
     def graphs(self) -> int:
-        return self.backend.graph_count
+        """Graphs compiled in this process: JIT, and ahead of time (one per new signature)."""
+        ahead = self.precompiled.stats.compiled if self.precompiled is not None else 0
+        return self.backend.graph_count + ahead
+
+    @property
+    def traces(self) -> int:
+        """Dynamo traces of this region in this process: JIT ones and ahead-of-time compiles."""
+        ahead = self.precompiled.stats.compiled if self.precompiled is not None else 0
+        return self.jit_traces + ahead
+
+    @property
+    def jit_calls(self) -> int:
+        return self.backend.calls
+
+    @property
+    def precompiled_calls(self) -> int:
+        return self.precompiled.stats.calls if self.precompiled is not None else 0
 
     @property
     def calls(self) -> int:
-        return self.backend.calls
+        return self.backend.calls + self.precompiled_calls
 
 
 def is_builtin_module(module: nn.Module) -> bool:
@@ -152,6 +174,7 @@ def compile_regions(
     block_classes: Sequence[type | str] | None = None,
     block_paths: Sequence[str] | None = None,
     recompile: str = "allow",
+    precompile: str | os.PathLike | None = None,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -160,6 +183,8 @@ def compile_regions(
     `block_classes` (classes or class names) or `block_paths` (module paths) pick the regions by
     hand. A model without repeated blocks gets a warning and a full compile instead.
     `recompile` ("warn", "error", "allow") is what a recompile after `mark_warm(model)` does.
+    `precompile` is a folder for precompiled artifacts (kiln/compile/precompiled.py): each call
+    signature is compiled ahead of time and saved there, and a later run loads it with no trace.
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
@@ -184,12 +209,12 @@ def compile_regions(
             KilnCompileWarning,
             stacklevel=2,
         )
-        return compile_full(model, recompile=recompile, **kwargs)
+        return compile_full(model, recompile=recompile, precompile=precompile, **kwargs)
     modules = dict(model.named_modules())
     regions = []
     for cls, paths in blocks.items():
         instances = [modules[p] for p in paths]
-        regions.append(_compile_class(cls, instances, paths, "block", kwargs, recompile))
+        regions.append(_compile_class(cls, instances, paths, "block", kwargs, recompile, precompile))
     _REGIONS[model] = regions
     if _uses_cudagraphs(kwargs):
         mark_cudagraph_steps(model)
@@ -215,15 +240,17 @@ def mark_cudagraph_steps(model: nn.Module) -> None:
             lambda module, args: torch.compiler.cudagraph_mark_step_begin())
 
 
-def compile_full(model: nn.Module, *, recompile: str = "allow", **torch_compile_kwargs: Any) -> nn.Module:
-    """Compile the whole model as one region, in place (same object, class, keys and hooks)."""
+def compile_full(model: nn.Module, *, recompile: str = "allow", precompile: str | os.PathLike | None = None,
+                 **torch_compile_kwargs: Any) -> nn.Module:
+    """Compile the whole model as one region, in place (same object, class, keys and hooks);
+    `precompile` as in `compile_regions`."""
     kwargs = _check_compile_kwargs(torch_compile_kwargs)
     check_recompile_policy(recompile)
     if _already_compiled(model):
         warnings.warn(f"{type(model).__name__} is already compiled; leaving it as it is",
                       KilnCompileWarning, stacklevel=2)
         return model
-    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs, recompile)]
+    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs, recompile, precompile)]
     return model
 
 
@@ -239,8 +266,10 @@ def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
 
 
 def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind: str,
-                   kwargs: dict[str, Any], recompile: str) -> CompiledRegion:
+                   kwargs: dict[str, Any], recompile: str,
+                   precompile: str | os.PathLike | None = None) -> CompiledRegion:
     forward = _forward_to_compile(cls, instances, paths)
+    all_kwargs = kwargs
     kwargs = dict(kwargs)
     backend = kwargs.pop("backend", "inductor")
     mode = kwargs.pop("mode", None)
@@ -248,9 +277,19 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
     name = _class_label(cls)
     label = _unique_label(name)
     tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
-    compiled = torch.compile(_region_entry(forward, label), backend=tracked, **kwargs)
+    entry = _region_entry(forward, label)
+    compiled = torch.compile(entry, backend=tracked, **kwargs)
     region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile,
                             base_forward=forward)
+    if precompile is not None:
+        region.precompile_off = unsupported_reason(all_kwargs)
+        if region.precompile_off is None:
+            try:
+                region.precompiled = PrecompiledRegion(
+                    precompile, name, label, entry, cls, forward, all_kwargs,
+                    on_compile=lambda reason, first: MONITOR.after_precompile(region, reason, first))
+            except UnsupportedCall as exc:
+                region.precompile_off = str(exc)
     region.compiled_forward = _region_forward(region, compiled)
     MONITOR.watch(region)
     for module in instances:
@@ -278,6 +317,13 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     backend = region.backend
 
     def forward(module, *args, **kwargs):
+        if region.precompiled is not None and _stance() == "default":
+            fn, signature = region.precompiled.function_for(module, args, kwargs)
+            if fn is not None:
+                output = region.precompiled.call(fn, signature, module, args, kwargs)
+                if output is not _NOT_RUN:
+                    region.invocations += 1
+                    return output
         graphs, calls = len(backend.graphs), backend.calls
         output = compiled(module, *args, **kwargs)
         region.invocations += 1
@@ -292,6 +338,14 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     return forward
 
 
+_NOT_RUN = PrecompiledRegion.NOT_RUN
+
+
+def _stance() -> str:
+    """torch.compiler.set_stance's current stance ("force_eager", ...): under any stance but the
+    default, calls take the JIT path, where Dynamo applies it (a private attribute, torch >= 2.6)."""
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return getattr(stance, "stance", "default")
 _LABELS: set[str] = set()
 
 

@@ -30,11 +30,27 @@ class RegionReport:
     compiled_calls: int
     eager_calls: int
     recompile_limit_hit: bool
+    traces: int = 0  # Dynamo traces in this process (JIT and ahead of time); 0 on a precompiled start
+    jit_calls: int = 0
+    precompiled_calls: int = 0
+    precompiled_loaded: int = 0  # artifacts loaded from the cache folder
+    precompiled_saved: int = 0
+    precompile_load_seconds: float = 0.0
+    precompile_wait_seconds: float = 0.0  # waiting for another local process's artifact
+    precompile_notes: list[str] = field(default_factory=list)  # why signatures were not loaded
+    precompile_off: str | None = None  # why the region has no precompiled artifacts
 
     @property
     def silent(self) -> bool:
         """Meant to run compiled, yet no compiled code ran."""
         return self.compiled_calls == 0
+
+    @property
+    def ran(self) -> str:
+        """How the region's calls ran: precompiled, jit, eager, or a mix ("precompiled+jit")."""
+        kinds = [name for name, n in (("precompiled", self.precompiled_calls), ("jit", self.jit_calls),
+                                      ("eager", self.eager_calls)) if n]
+        return "+".join(kinds) or "not called"
 
 
 @dataclass
@@ -61,16 +77,17 @@ class CompileReport:
             "compile_seconds": round(self.compile_seconds, 3),
             "silent_regions": self.silent_regions,
             "artifact_cache": dict(self.artifact_cache),
-            "regions": [asdict(r) for r in self.regions],
+            "regions": [{**asdict(r), "ran": r.ran} for r in self.regions],
         }
 
     def table(self) -> str:
         header = ("region", "instances", "graphs", "breaks", "recompiles", "compile s",
-                  "cache hit/miss", "calls compiled/eager")
+                  "cache hit/miss", "calls compiled/eager", "traces", "ran", "load s")
         rows = [header] + [
             (r.name + ("" if r.kind == "block" else f" ({r.kind})"), str(r.instances), str(r.graphs),
              str(sum(r.graph_breaks.values())), str(r.recompiles), f"{r.compile_seconds:.1f}",
-             f"{r.cache_hits}/{r.cache_misses}", f"{r.compiled_calls}/{r.eager_calls}")
+             f"{r.cache_hits}/{r.cache_misses}", f"{r.compiled_calls}/{r.eager_calls}", str(r.traces),
+             r.ran, f"{r.precompile_load_seconds:.2f}")
             for r in self.regions
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -85,6 +102,10 @@ class CompileReport:
                 lines.append(f"{r.name}: hit Dynamo's recompile limit; {r.eager_calls} call(s) ran eagerly")
             elif r.silent:
                 lines.append(f"{r.name}: WARNING: no compiled code ran ({r.invocations} call(s))")
+            for note in r.precompile_notes:
+                lines.append(f"{r.name}: precompiled: {note}")
+            if r.precompile_off:
+                lines.append(f"{r.name}: not precompiled: {r.precompile_off}")
         if self.artifact_cache:
             lines.append("warm-start cache: " + ", ".join(f"{k} {v}" for k, v in self.artifact_cache.items()))
         return "\n".join(lines)
@@ -104,15 +125,31 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 graph_breaks=dict(region.graph_breaks),
                 recompiles=len(region.recompile_reasons),
                 recompile_reasons=list(region.recompile_reasons),
-                compile_seconds=round(region.compile_seconds, 3),
+                compile_seconds=round(region.compile_seconds + _ahead_seconds(region), 3),
                 cache_hits=region.cache_hits,
                 cache_misses=region.cache_misses,
                 invocations=region.invocations,
                 compiled_calls=region.calls,
                 eager_calls=region.eager_calls,
                 recompile_limit_hit=region.recompile_limit_hit,
+                **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}))
+
+
+def _ahead_seconds(region) -> float:
+    return region.precompiled.stats.compile_seconds if region.precompiled is not None else 0.0
+
+
+def _precompile_fields(region) -> dict:
+    stats = region.precompiled.stats if region.precompiled is not None else None
+    fields = {"traces": region.traces, "jit_calls": region.jit_calls, "precompiled_calls": region.precompiled_calls,
+              "precompile_off": region.precompile_off}
+    if stats is not None:
+        fields.update(precompiled_loaded=stats.loaded, precompiled_saved=stats.saved,
+                      precompile_load_seconds=round(stats.load_seconds, 3),
+                      precompile_wait_seconds=round(stats.wait_seconds, 3), precompile_notes=list(stats.notes))
+    return fields
 
 
 def _first_line(text: str) -> str:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 
 from kiln.compile.cache import CompileCache
 from kiln.compile.monitor import KilnFallbackWarning
-from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, mark_warm
+from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
 from kiln.compile.report import CompileReport, compile_report
 from kiln.plugins import TorchDynamoPlugin
 
@@ -49,11 +49,20 @@ class CompileSession:
             return
         plugin = self.plugin
         kwargs = plugin.to_compile_kwargs()
+        precompile = self.cache.precompiled_dir if self.cache is not None and plugin.precompile else None
+        if plugin.precompile and precompile is None:
+            warnings.warn("precompile=True, but the compile cache is off (KILN_COMPILE_CACHE=0 or an "
+                          "unusable folder), so nothing is precompiled", KilnCompileWarning, stacklevel=4)
         if plugin.use_regional_compilation:
             compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
-                            recompile=plugin.recompile, **kwargs)
+                            recompile=plugin.recompile, precompile=precompile, **kwargs)
         else:
-            compile_full(model, recompile=plugin.recompile, **kwargs)
+            compile_full(model, recompile=plugin.recompile, precompile=precompile, **kwargs)
+        if plugin.precompile:
+            for region in compiled_regions(model):
+                if region.precompile_off:
+                    warnings.warn(f"precompile=True, but region {region.name} cannot be precompiled: "
+                                  f"{region.precompile_off}; it is JIT-compiled", KilnCompileWarning, stacklevel=4)
         if self.cache is not None:
             settings = {**kwargs, **context, "regional": plugin.use_regional_compilation}
             key = self.cache.key(model, settings, device)

@@ -53,3 +53,18 @@ def test_demo_with_inductor_in_bf16_starts_warm_the_second_time(tmp_path):
     assert "warm-start cache: hits 1, misses 0" in warm, warm
 
 
+
+
+def test_demo_second_run_with_precompile_starts_without_any_dynamo_trace(tmp_path):
+    args = [str(ROOT / "examples/train_lm.py"), "--backend", "aot_eager", "--steps", "3", "--log-every", "3",
+            "--layers", "2", "--width", "64", "--batch", "4", "--seq", "32", "--precompile",
+            "--out", str(tmp_path / "weights")]
+    cache = str(tmp_path / "cache")
+    cold = _run(args, tmp_path, KILN_COMPILE_CACHE_DIR=cache)
+    assert re.search(r"GPT2Block: 2 instance\(s\) share 1 graph\(s\), ran compiled \d+ times "
+                     r"\(precompiled, 1 Dynamo trace\(s\) in this run\)", cold), cold
+    warm = _run(args, tmp_path, KILN_COMPILE_CACHE_DIR=cache)
+    assert re.search(r"GPT2Block: 2 instance\(s\) share 1 graph\(s\), ran compiled \d+ times "
+                     r"\(precompiled, 0 Dynamo trace\(s\) in this run, 1 precompiled artifact\(s\) loaded", warm), warm
+    loss = r"loss\s+([\d.]+) first, ([\d.]+) last"
+    assert re.search(loss, cold).groups() == re.search(loss, warm).groups()

@@ -1,0 +1,328 @@
+"""Precompiled regions (kiln/compile/precompiled.py): artifacts saved per call signature, loaded by a
+later run without a Dynamo trace, checked before use, and rebuilt when they do not fit.
+
+A "later run" is a new model compiled over the same folder after `torch._dynamo.reset()`: nothing
+compiled in memory is reused then. The fresh-process case is the demo's test (tests/examples).
+"""
+
+import copy
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import Accelerator, TorchDynamoPlugin
+from kiln.compile import precompiled as pc
+from kiln.compile.cache import KilnCacheWarning
+from kiln.compile.regions import compile_regions, compiled_regions
+from kiln.compile.report import compile_report
+from toy_models import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _llama(seed=0, layers=3):
+    torch.manual_seed(seed)
+    model = tiny_llama(layers).train()
+    model.config.loss_type = model.loss_type = "ForCausalLM"
+    return model
+
+
+def _compiled(model, folder, **kwargs):
+    kwargs.setdefault("backend", "aot_eager")
+    kwargs.setdefault("fullgraph", True)
+    return compile_regions(model, precompile=folder, **kwargs)
+
+
+def _step(model, length=16, seed=1):
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(seed))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _region(model):
+    (region,) = compile_report(model).regions
+    return region
+
+
+def _artifacts(folder):
+    return sorted(Path(folder).rglob("*.kpc"))
+
+
+def test_artifact_round_trip_equals_eager_on_another_instance(tmp_path):
+    first = _compiled(_llama(seed=0), tmp_path)
+    _step(first)
+    saved = _region(first)
+    assert (saved.ran, saved.traces, saved.precompiled_saved) == ("precompiled", 1, 1)
+    assert len(_artifacts(tmp_path)) == 1
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    other = _llama(seed=5)  # other weights: the artifact holds code, not weights
+    reference = copy.deepcopy(other)
+    _compiled(other, tmp_path)
+    loss, grads = _step(other)
+    expected_loss, expected_grads = _step(reference)
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-6)
+    region = _region(other)
+    assert region.traces == 0 and region.jit_calls == 0  # no Dynamo trace: the code was loaded
+    assert region.precompiled_calls == 3 and region.ran == "precompiled"
+    assert region.precompiled_loaded == 1 and region.precompile_load_seconds > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_a_new_sequence_length_compiles_a_new_signature_and_says_why(tmp_path):
+    _step(_compiled(_llama(), tmp_path), length=16)
+    torch._dynamo.reset()
+    model = _compiled(_llama(), tmp_path)
+    _step(model, length=16)
+    _step(model, length=24)
+    region = _region(model)
+    assert region.precompiled_loaded == 1 and region.precompiled_saved == 1
+    assert region.recompiles == 1
+    (note,) = region.precompile_notes
+    assert "size mismatch, now tensor[2, 24, 32]" in note and "saved tensor[2, 16, 32]" in note
+    assert "precompiled: signature" in compile_report(model).table()
+    assert len(_artifacts(tmp_path)) == 2
+
+
+def test_eval_after_train_is_another_signature(tmp_path):
+    model = _compiled(_llama(), tmp_path)
+    _step(model)
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        compiled_logits = model(input_ids=ids, use_cache=False).logits
+        reference = copy.deepcopy(model)
+        from kiln.compile.regions import uncompile
+        eager_logits = uncompile(reference)(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-5, atol=1e-5)
+    notes = " ".join(_region(model).precompile_notes)
+    assert "grad_enabled: differs, now True" not in notes and "grad_enabled: differs, now False" in notes
+    assert "training: differs" in notes
+    assert len(_artifacts(tmp_path)) == 2
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "foreign torch"])
+def test_a_bad_artifact_gives_one_warning_and_a_compile(tmp_path, damage):
+    model = _compiled(_llama(), tmp_path)
+    expected, _ = _step(model)
+    (path,) = _artifacts(tmp_path)
+    data = bytearray(path.read_bytes())
+    if damage == "flip a byte":
+        data[-100] ^= 0xFF
+        problem = "checksum"
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+        problem = "truncated"
+    else:
+        head, rest = bytes(data).split(b"\n", 2)[1], bytes(data).split(b"\n", 2)[2]
+        header = json.loads(head)
+        header["torch"] = "2.99.0"
+        data = pc.MAGIC + json.dumps(header).encode() + b"\n" + rest
+        problem = "written by torch 2.99.0"
+    path.write_bytes(bytes(data))
+
+    torch._dynamo.reset()
+    model = _compiled(_llama(), tmp_path)
+    with pytest.warns(KilnCacheWarning, match=problem) as caught:
+        loss, _ = _step(model)
+    assert len([w for w in caught if issubclass(w.category, KilnCacheWarning)]) == 1
+    torch.testing.assert_close(loss, expected)
+    region = _region(model)
+    assert region.precompiled_loaded == 0 and region.precompiled_saved == 1 and region.ran == "precompiled"
+    assert pc.read_envelope(path.read_bytes(), pc.MAGIC, pc.FORMAT_VERSION, "artifact")  # rewritten whole
+
+
+def test_a_changed_block_source_is_a_new_key_and_the_report_says_so(tmp_path, monkeypatch):
+    source = tmp_path / "changing_block.py"
+    source.write_text("import torch\nclass Block(torch.nn.Module):\n    def __init__(self):\n"
+                      "        super().__init__(); self.l = torch.nn.Linear(8, 8)\n"
+                      "    def forward(self, x):\n        return torch.relu(self.l(x))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("changing_block")
+
+    def run():
+        model = torch.nn.Sequential(module.Block(), module.Block())
+        _compiled(model, tmp_path / "artifacts")
+        model(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        return _region(model)
+
+    first = run()
+    assert first.precompiled_saved == 1
+    source.write_text(source.read_text().replace("torch.relu", "torch.tanh"))
+    importlib.reload(module)
+    torch._dynamo.reset()
+    changed = run()
+    assert changed.precompiled_loaded == 0 and changed.precompiled_saved == 1
+    assert "another version of this block" in changed.precompile_notes[0]
+
+
+def test_bf16_autocast_region_is_precompiled_and_loaded(tmp_path):
+    def run():
+        model = _compiled(_llama(), tmp_path)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), _region(model)
+
+    cold_loss, cold = run()
+    torch._dynamo.reset()
+    warm_loss, warm = run()
+    eager = _llama()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ids = torch.randint(0, eager.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+        eager_loss = eager(input_ids=ids, labels=ids, use_cache=False).loss
+    assert cold.ran == warm.ran == "precompiled" and warm.traces == 0 and warm.precompiled_loaded == 1
+    torch.testing.assert_close(warm_loss, cold_loss, rtol=0, atol=0)
+    torch.testing.assert_close(warm_loss, eager_loss.detach(), rtol=0, atol=2e-2)
+    assert "autocast" in " ".join(pc.signature_fields(pc.call_signature(
+        torch.nn.Linear(1, 1), (), {})).keys())
+
+
+def test_a_refused_call_takes_the_jit_path(tmp_path, monkeypatch):
+    # A signature that forgot the training flag: torch's own guards then refuse the eval call.
+    real = pc.call_signature
+    monkeypatch.setattr(pc, "call_signature",
+                        lambda m, a, k: tuple(f for f in real(m, a, k) if f[0] != "training"))
+    model = _compiled(_llama(), tmp_path)
+    _step(model)
+    model.eval()
+    with torch.no_grad(), torch.enable_grad():
+        model(input_ids=torch.randint(0, 64, (2, 16)), use_cache=False)
+    region = _region(model)
+    assert region.jit_calls == 3 and region.precompiled_calls == 3
+    assert any("refused a call" in note and "training" in note for note in region.precompile_notes)
+
+
+def test_fullgraph_false_is_not_precompiled_and_the_report_says_why(tmp_path):
+    model = _compiled(_llama(), tmp_path, fullgraph=False)
+    _step(model)
+    region = _region(model)
+    assert region.ran == "jit" and "fullgraph=False" in region.precompile_off
+    assert _artifacts(tmp_path) == []
+
+
+def test_plugin_precompile_setting_is_validated():
+    with pytest.raises(ValueError, match="precompile=True needs fullgraph=True"):
+        TorchDynamoPlugin(precompile=True)
+    with pytest.raises(ValueError, match="cache=False"):
+        TorchDynamoPlugin(precompile=True, fullgraph=True, cache=False)
+    with pytest.raises(ValueError, match="static shapes"):
+        TorchDynamoPlugin(precompile=True, fullgraph=True, dynamic=True)
+    assert TorchDynamoPlugin(environ={"KILN_DYNAMO_PRECOMPILE": "no"}).precompile is False
+    assert TorchDynamoPlugin().precompile is None  # off unless asked for
+    assert TorchDynamoPlugin(fullgraph=True, environ={"KILN_DYNAMO_PRECOMPILE": "1"}).precompile is True
+
+
+def test_prepare_in_bf16_loads_precompiled_regions_on_the_second_run(tmp_path):
+    def run():
+        plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
+                                   use_regional_compilation=True, cache_dir=str(tmp_path), precompile=True)
+        acc = Accelerator(dynamo_plugin=plugin, mixed_precision="bf16")
+        model = _llama()
+        model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        losses = []
+        for _ in range(2):
+            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(len(losses)))
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            acc.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, acc.compile_report().regions[0]
+
+    cold_losses, cold = run()
+    torch._dynamo.reset()
+    warm_losses, warm = run()
+    assert cold.ran == "precompiled" and cold.precompiled_saved == 1
+    assert warm.ran == "precompiled" and warm.traces == 0 and warm.precompiled_loaded == 1
+    assert warm_losses == cold_losses
+    assert (tmp_path / "precompiled").is_dir()
+
+
+@pytest.mark.parametrize("setting", [None, False])
+def test_precompile_off_keeps_the_jit_path(tmp_path, setting):
+    plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, use_regional_compilation=True,
+                               cache_dir=str(tmp_path), precompile=setting)
+    acc = Accelerator(dynamo_plugin=plugin)
+    model = acc.prepare(_llama())
+    _step(model)
+    assert acc.compile_report().regions[0].ran == "jit"
+    assert not (tmp_path / "precompiled").exists()
+
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
+    model = _compiled(_llama(), tmp_path)
+    region = compiled_regions(model)[0].precompiled
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    region.directory.mkdir(parents=True)
+    signature_path = None
+    # Hold every lock a call could claim: the region folder gets one for the first signature.
+    real_claim = region._claim
+
+    def claim(path):
+        nonlocal signature_path
+        if signature_path is None:
+            signature_path = path
+            import socket
+            path.with_suffix(pc.LOCK_SUFFIX).write_text(f"{socket.gethostname()} {dead.pid} {time.time()} x\n")
+        return real_claim(path)
+
+    region._claim = claim
+    _step(model)
+    assert signature_path.exists() and not signature_path.with_suffix(pc.LOCK_SUFFIX).exists()
+    assert _region(model).precompiled_saved == 1
+
+
+WORKER = """
+import json, sys, time, torch
+sys.path.insert(0, {tests!r})
+from toy_models import tiny_llama
+from kiln.compile.regions import compile_regions
+from kiln.compile.report import compile_report
+torch.manual_seed(0)
+model = tiny_llama(3).train()
+model.config.loss_type = model.loss_type = "ForCausalLM"
+compile_regions(model, backend="aot_eager", fullgraph=True, precompile=sys.argv[1])
+ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+start = time.process_time()
+loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+loss.backward()
+region = compile_report(model).regions[0]
+print(json.dumps(dict(loss=loss.item(), saved=region.precompiled_saved, loaded=region.precompiled_loaded,
+                      traces=region.traces, wait=region.precompile_wait_seconds, ran=region.ran)))
+"""
+
+
+@pytest.mark.multiprocess
+def test_local_processes_compile_each_signature_once(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    folder = str(tmp_path / "artifacts")
+    procs = [subprocess.Popen([sys.executable, str(script), folder], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted(r["saved"] for r in results) == [0, 1]  # one compiler
+    assert sorted(r["loaded"] for r in results) == [0, 1]  # the other loaded its artifact
+    assert sorted(r["traces"] for r in results) == [0, 1]
+    assert results[0]["loss"] == results[1]["loss"]
+    assert all(r["ran"] == "precompiled" for r in results)
+    assert len(_artifacts(folder)) == 1 and not list(Path(folder).rglob("*.lock"))
