@@ -42,7 +42,8 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 # Each suite's variants; kept here (not imported from the suite modules) so planning stays light.
 SUITE_VARIANTS = {
     "compile": ("",),
-    "warm-start": ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm"),
+    "warm-start": ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
+                   "warm-precompiled", "warm-precompiled-copy"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
 }
 

@@ -73,15 +73,18 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
                         timeout_s: float) -> dict[str, Any]:
     """A warm-start row: a fresh interpreter whose KILN_COMPILE_CACHE_DIR holds what its variant keeps
     of the case's cold folder (Kiln points Inductor into that folder; nothing else is set)."""
-    from kiln.bench.warm_start import prepare_folder
+    from kiln.bench.warm_start import base_variant, prepare_folder
 
-    case = dataclasses.astuple(dataclasses.replace(row, variant=""))
+    base = base_variant(row.variant)
+    case = (dataclasses.astuple(dataclasses.replace(row, variant="")), base)
     folder = workspace / f"row{index}"
-    if row.variant == "cold":
+    if row.variant == base:
         folder.mkdir()
         colds[case] = folder
     elif case not in colds:
-        return dict(row.as_dict(), error="no cold row of this case ran before it: nothing to start warm from")
+        return dict(row.as_dict(), error=f"no {base} row of this case ran before it: nothing to start warm from")
+    elif row.variant == "warm-precompiled":
+        folder = colds[case]  # the same folder: the next run of the same job
     else:
         prepare_folder(row.variant, colds[case], folder)
     return _run_child(row, {"KILN_COMPILE_CACHE_DIR": str(folder)}, timeout_s)
