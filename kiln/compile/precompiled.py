@@ -228,7 +228,6 @@ class PrecompileStats:
 
 
 _MISSING = object()
-_FRESH = 0
 
 
 class PrecompiledRegion:
@@ -249,6 +248,7 @@ class PrecompiledRegion:
         self.label = label
         self.entry = entry
         self.forward = forward
+        self.block_class = block_class
         self.compile_kwargs = {k: v for k, v in compile_kwargs.items() if k != "recompile"}
         self.key = region_key(block_class, forward, compile_kwargs)
         self.root = Path(directory).expanduser().absolute()
@@ -284,14 +284,8 @@ class PrecompiledRegion:
         """Run a precompiled function with autocast switched off around it (it is inside)."""
         state = dict(signature)["autocast"]
         try:
-            if not state:
-                output = fn(module, *args, **kwargs)
-            elif len(state) == 1:
-                with torch.autocast(state[0][0], enabled=False):
-                    output = fn(module, *args, **kwargs)
-            else:
-                with torch.autocast(state[0][0], enabled=False), torch.autocast(state[1][0], enabled=False):
-                    output = fn(module, *args, **kwargs)
+            with _as_class(module, self.block_class):
+                output = self._run(fn, state, module, args, kwargs)
         except RuntimeError as exc:
             if _GUARD_FAILURE not in str(exc):
                 raise
@@ -301,6 +295,11 @@ class PrecompiledRegion:
             return _MISSING
         self.stats.calls += 1
         return output
+
+    @staticmethod
+    def _run(fn: Callable, state: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        with _autocast_off(state):
+            return fn(module, *args, **kwargs)
 
     # ----- load, compile, save -------------------------------------------------------------
     def _path(self, signature: tuple) -> Path:
@@ -368,10 +367,7 @@ class PrecompiledRegion:
     def _compile_and_save(self, signature, module, args, kwargs, path: Path, reason: str):
         start = time.perf_counter()
         state = dict(signature)["autocast"]
-        # A function object of its own per signature: a second aot_compile of one function in a
-        # process could save the first compile's graph under the second's guards (seen with
-        # torch 2.13 under the Accelerator in bf16: B=6 code for a B=3 signature).
-        entry = _renamed(self._entry_for(state), self.label, fresh=True)
+        entry = self._entry_for(state)
         kw = dict(self.compile_kwargs)
         examples = (module, *_detached(args)), _detached(kwargs)
         grads = [(p, p.grad) for p in module.parameters()]
@@ -380,8 +376,17 @@ class PrecompiledRegion:
             # into its guards and cannot read them back), so they are set aside while compiling.
             for p, _ in grads:
                 p.grad = None
-            compiled = torch.compile(entry, **kw).aot_compile(examples)
+            hits = _autograd_cache_hits()
+            with _as_class(module, self.block_class):
+                compiled = torch.compile(entry, **kw).aot_compile(examples)
+            if _autograd_cache_hits() != hits:
+                raise _ServedFromCache()
             payload = _serialize(compiled)
+        except _ServedFromCache:
+            # Neither saved nor used: the JIT path compiles this signature; later ones still try.
+            self._note(f"{self._signature_text(signature)}: AOTAutograd's disk cache answered the "
+                       "ahead-of-time compile, and such answers cannot be trusted (torch 2.13); JIT path")
+            return None
         except Exception as exc:
             self._failed = True
             self._note(f"ahead-of-time compile failed ({type(exc).__name__}: {_first_line(str(exc))}); "
@@ -491,6 +496,19 @@ def _lock_is_stale(lock: Path) -> bool:
     return False
 
 
+class _ServedFromCache(Exception):
+    """AOTAutograd's cache answered an ahead-of-time compile. With torch 2.13 (bf16, aot_eager)
+    a compile at batch 3 in a run that followed one at batch 6 of the same block produced code for
+    batch 6 under batch-3 guards ("shape '[18, 16]' is invalid for input of size 144" at its first
+    call); with the Inductor folder emptied between the runs it did not. Neither switching the
+    cache off (the result can then not be saved: "does not implement SerializableCallable") nor a
+    `torch.compiler.config.cache_key_tag` avoided it, so a compile the cache answered is not used."""
+
+
+def _autograd_cache_hits() -> int:
+    return torch._dynamo.utils.counters["aot_autograd"]["autograd_cache_hit"]
+
+
 def _serialize(compiled: Any) -> bytes:
     folder = Path(os.environ.get("TMPDIR", "/tmp"))
     temp = folder / f"kiln-precompiled-{os.getpid()}-{secrets.token_hex(4)}.bin"
@@ -515,6 +533,24 @@ def _detached(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _detached(v) for k, v in value.items()}
     return value
+
+
+class _as_class:
+    """The module seen as its block class while precompiled code is compiled or runs. FSDP2 gives
+    each sharded module a class made at run time (FSDP<Block>), which another process cannot
+    name: a loaded artifact's guard on the module's type then refused every call (torch 2.13)."""
+
+    def __init__(self, module: nn.Module, cls: type) -> None:
+        self.module, self.cls, self.saved = module, cls, type(module)
+
+    def __enter__(self):
+        if self.saved is not self.cls:
+            self.module.__class__ = self.cls
+
+    def __exit__(self, *exc):
+        if self.saved is not self.cls:
+            self.module.__class__ = self.saved
+        return False
 
 
 class _autocast_off:
@@ -551,14 +587,9 @@ def _with_autocast(forward: Callable, state: tuple, label: str) -> Callable:
     return _renamed(with_autocast, label)
 
 
-def _renamed(fn: Callable, label: str, fresh: bool = False) -> Callable:
-    """`fn` with the region's label as its code name: Dynamo's records name the region by it.
-    `fresh` makes its code object a new one (another first line number), never shared."""
+def _renamed(fn: Callable, label: str) -> Callable:
+    """`fn` with the region's label as its code name: Dynamo's records name the region by it."""
     changes = {"co_name": label}
-    if fresh:
-        global _FRESH
-        _FRESH += 1
-        changes["co_firstlineno"] = fn.__code__.co_firstlineno + _FRESH
     if hasattr(fn.__code__, "co_qualname"):
         changes["co_qualname"] = label
     code = fn.__code__.replace(**changes)

@@ -107,6 +107,23 @@ def test_fsdp2_regional_compile_matches_one_process(tmp_path, shared_run, precis
         assert abs(sharded["checksums"][0] - single["checksums"][0]) < 1e-3
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_precompiled_regions_in_bf16_train_like_jit_under_ddp_and_fsdp2(tmp_path, shared_run, strategy,
+                                                                         monkeypatch):
+    # Two processes on one cache folder: each signature is compiled by one of them and loaded
+    # by the other; the hooks of DDP and FSDP2 run around the precompiled forward. The folder's
+    # Inductor caches start empty: a compile they answer is not used (kiln/compile/precompiled.py).
+    monkeypatch.setenv("KILN_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    flags = ["--precision", "bf16", *(["--fsdp"] if strategy == "fsdp2" else [])]
+    single = shared_run(1, "--precision", "bf16")
+    double = run_worker(tmp_path, 2, *flags, "--precompile")
+    for a, b in zip(single["losses"], double["losses"]):
+        assert abs(a - b) <= 2e-2 * max(1.0, abs(a)), (single["losses"], double["losses"])
+    assert all(n > 0 for n in double["precompiled_calls"]), double["precompile_notes"]  # ran on every rank
+    assert double["precompiled_calls"] == double["calls"]
+    assert double["checksums"][0] == double["checksums"][1]
+
+
 def test_fsdp2_sharded_checkpoint_resumes_in_a_fresh_launch(tmp_path):
     common = ["--epochs", "2", "--shuffle", "--fsdp"]
     whole = run_worker(tmp_path, 2, *common)

@@ -135,6 +135,7 @@ def main() -> None:
     parser.add_argument("--ds-config", type=json.loads, default=None, help="a DeepSpeed config, as JSON")
     parser.add_argument("--save-weights", default=None, help="torch.save the final full state dict here")
     parser.add_argument("--plain", action="store_true", help="the plain PyTorch loop, without Kiln")
+    parser.add_argument("--precompile", action="store_true", help="precompiled regions (TorchDynamoPlugin(precompile=True))")
     args = parser.parse_args()
     if args.plain:
         plain_loop(args)
@@ -142,7 +143,7 @@ def main() -> None:
 
     set_seed(0)
     plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
-                               use_regional_compilation=True)
+                               use_regional_compilation=True, precompile=args.precompile or None)
     acc = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
                       gradient_accumulation_steps=args.grad_accum,
                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful,
@@ -218,6 +219,8 @@ def main() -> None:
     for (values,) in eval_loader:
         seen.append(acc.gather_for_metrics(values))
     calls = sum(r.calls for r in compiled_regions(acc.unwrap_model(model)))
+    precompiled_calls = sum(r.precompiled_calls for r in compiled_regions(acc.unwrap_model(model)))
+    notes = [n for r in acc.compile_report().regions for n in r.precompile_notes]
     full = acc.get_state_dict(model)  # consolidated, plain keys, on every process
     checksum = sum(t.double().sum().item() for t in full.values())
     if args.save_model:
@@ -225,11 +228,13 @@ def main() -> None:
     if args.save_weights and acc.is_main_process:
         torch.save(full, args.save_weights)
     all_calls = acc.gather(torch.tensor([calls])).tolist()
+    all_precompiled = acc.gather(torch.tensor([precompiled_calls])).tolist()
     all_checksums = acc.gather(torch.tensor([checksum], dtype=torch.float64)).tolist()
     all_skipped = [[bool(x) for x in row] for row in acc.gather(torch.tensor([skipped], dtype=torch.int64)).tolist()]
     if acc.is_main_process:
         with open(args.out, "w") as handle:
-            json.dump({"losses": losses, "calls": all_calls, "checksums": all_checksums, "skipped": all_skipped,
+            json.dump({"losses": losses, "calls": all_calls, "precompiled_calls": all_precompiled,
+                       "precompile_notes": notes, "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
                        "distributed_type": str(acc.distributed_type.value), "keys": sorted(full),
                        "load_report": report}, handle)
