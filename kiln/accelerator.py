@@ -107,7 +107,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         self._trigger = False  # set_trigger / check_trigger
         self._init_tracking(log_with)
         self._init_checkpointing(project_config, project_dir)
-        self.compiler = CompileSession(self.dynamo_plugin, is_writer=self.is_main_process)
+        self.compiler = CompileSession(self.dynamo_plugin, is_writer=self.is_main_process,
+                                       is_local_main=self.is_local_main_process)
 
     @property
     def data_seed(self) -> int:
@@ -440,6 +441,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
             tracker.finish()
         self.trackers = []
         self.compiler.save_cache()
+        self.compiler.close()
         report = self.compiler.report()
         if report.regions:
             self.print(report.table())

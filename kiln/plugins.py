@@ -89,6 +89,10 @@ class TorchDynamoPlugin:
     # static shapes): each call signature is compiled ahead of time into the cache folder, and
     # later runs load it without a Dynamo trace.
     precompile: bool | None = None
+    # Train while compiling (None: KILN_DYNAMO_COMPILE_IN_BACKGROUND, default off; implies
+    # precompile): the first steps run the blocks eagerly while a helper process compiles them,
+    # and each region switches to compiled code between steps once its artifact is ready.
+    compile_in_background: bool | None = None
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +116,10 @@ class TorchDynamoPlugin:
             self.use_regional_compilation = parse_bool(raw, name) if raw is not None else False
         if self.recompile is None:
             self.recompile = _env("RECOMPILE", env) or "warn"
+        if self.compile_in_background is None:
+            raw = _env("COMPILE_IN_BACKGROUND", env)
+            name = ENV_PREFIX + "COMPILE_IN_BACKGROUND"
+            self.compile_in_background = parse_bool(raw, name) if raw is not None else False
         if self.precompile is None:  # stays None (off) unless the variable is set
             raw = _env("PRECOMPILE", env)
             self.precompile = parse_bool(raw, ENV_PREFIX + "PRECOMPILE") if raw is not None else None
@@ -141,6 +149,14 @@ class TorchDynamoPlugin:
             raise ValueError(f"warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
         if self.cache is not None and not isinstance(self.cache, bool):
             raise TypeError(f"TorchDynamoPlugin.cache must be None or a bool, got {self.cache!r}")
+        if not isinstance(self.compile_in_background, bool):
+            raise TypeError(f"TorchDynamoPlugin.compile_in_background must be a bool, got "
+                            f"{self.compile_in_background!r}")
+        if self.compile_in_background:
+            if self.precompile is False:
+                raise ValueError("compile_in_background=True loads what the helper precompiled; it cannot "
+                                 "be used with precompile=False")
+            self.precompile = True
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise TypeError(f"TorchDynamoPlugin.precompile must be None or a bool, got {self.precompile!r}")
         if self.precompile:

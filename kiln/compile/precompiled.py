@@ -80,14 +80,16 @@ def _probe():
 def call_signature(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple:
     """Everything about one call that decides which compiled code fits it, as a hashable tuple:
     each argument (tensors by shape, dtype, device, strides when not contiguous, requires_grad;
-    plain values by value), grad and inference mode, autocast, the training flags of the block's
-    modules, and its parameters' and buffers' shapes, dtypes and devices."""
+    plain values by value), grad and inference mode, autocast, torch's thread count, the training
+    flags of the block's modules, and its parameters' and buffers' shapes, dtypes and devices."""
     return (
         ("args", tuple(_describe(a) for a in args)),
         ("kwargs", tuple((k, _describe(v)) for k, v in sorted(kwargs.items()))),
         ("grad_enabled", torch.is_grad_enabled()),
         ("inference_mode", torch.is_inference_mode_enabled()),
         ("autocast", autocast_state()),
+        # Loaded functions guard on the thread count (torch 2.13); torchrun sets 1 per process.
+        ("num_threads", torch.get_num_threads()),
         ("training", tuple(m.training for m in module.modules())),
         ("parameters", tuple(_tensor_meta(p) for p in module.parameters())),
         ("buffers", tuple(_tensor_meta(b) for b in module.buffers())),
@@ -217,6 +219,9 @@ def region_key(block_class: type, forward: Callable, compile_kwargs: dict[str, A
 class PrecompileStats:
     """What one region's precompiled artifacts did in this process, for the compile report."""
 
+    background_eager_calls: int = 0  # calls run eagerly while the helper compiled their signature
+    switch_step: int | None = None  # the optimizer step after which the region first switched
+    switch_seconds: float | None = None  # from the first job sent to that switch
     loaded: int = 0  # artifacts read from disk and used
     compiled: int = 0  # signatures compiled ahead of time here (and saved)
     saved: int = 0
@@ -228,6 +233,7 @@ class PrecompileStats:
 
 
 _MISSING = object()
+EAGER = object()  # what `function_for` gives for a call that runs eagerly (train while compiling)
 
 
 class PrecompiledRegion:
@@ -258,6 +264,14 @@ class PrecompiledRegion:
         self._functions: dict[tuple, Callable | None] = {}
         self._entries: dict[tuple[str, ...], Callable] = {}  # autocast state -> entry with it inside
         self._failed = False  # an ahead-of-time compile failed: the rest of the run is JIT
+        # Train while compiling (kiln/compile/background.py): `background` compiles in a helper
+        # process (the local main process has one); `background_wait` waits for another local
+        # process's helper. Meanwhile the signature runs eagerly; `poll` switches between steps.
+        self.background: Any = None
+        self.background_wait = False
+        self._pending: dict[tuple, tuple[str, float]] = {}  # signature -> (digest, when sent)
+        self._ready: set[tuple] = set()
+        self._first_sent: float | None = None
         if self.compile_kwargs.get("dynamic") is None:
             self.compile_kwargs["dynamic"] = False  # one static artifact per signature
 
@@ -269,6 +283,10 @@ class PrecompiledRegion:
             self._note(f"a call took the JIT path: {exc}")
             return None, ()
         fn = self._functions.get(signature, _MISSING)
+        if fn is _MISSING and (self.background is not None or self.background_wait):
+            fn = self._in_background(signature, module)
+            if fn is EAGER:
+                return EAGER, signature
         if fn is _MISSING:
             # Loading rebuilds the guards, compiling records them, saving records them again, each
             # under the dispatch state of its moment (torch 2.13): all must see the calls' state,
@@ -279,6 +297,57 @@ class PrecompiledRegion:
         return fn, signature
 
     NOT_RUN = _MISSING  # what `call` returns when torch refused the call before running it
+
+    # ----- train while compiling -------------------------------------------------------------
+    @property
+    def waiting(self) -> bool:
+        """Signatures are still being compiled in the background (their calls run eagerly)."""
+        return bool(self._pending)
+
+    def _in_background(self, signature: tuple, module: nn.Module):
+        """EAGER while the signature's artifact is not ready; _MISSING to load (or compile) it now."""
+        if signature in self._ready:
+            self._ready.discard(signature)
+            self._pending.pop(signature, None)
+            return _MISSING  # ready: loaded now, at the first call after the poll that saw it
+        if signature in self._pending:
+            return EAGER
+        path = self._path(signature)
+        if path.exists():
+            return _MISSING  # an earlier run's artifact: load it as usual
+        digest = signature_digest(signature)
+        if self.background is not None and not self.background.submit_signature(self, module, signature, digest):
+            _, error = self.background.status(self.name, digest)
+            self._note(f"{self._signature_text(signature)}: not compiled in the background ({error}); eager")
+            self._functions[signature] = EAGER
+            return EAGER
+        self._pending[signature] = (digest, time.perf_counter())
+        if self._first_sent is None:
+            self._first_sent = time.perf_counter()
+        return EAGER
+
+    def poll(self, step: int) -> None:
+        """Between steps: mark the signatures whose artifacts are ready, to be loaded at their next
+        call; a job that failed (or a helper that died) leaves its signature eager, with a note."""
+        for signature, (digest, _) in list(self._pending.items()):
+            if signature in self._ready:
+                continue
+            if self.background is not None:
+                finished, error = self.background.status(self.name, digest)
+            else:
+                finished, error = self._path(signature).exists(), None
+            if not finished:
+                continue
+            if error is not None:
+                del self._pending[signature]
+                self._functions[signature] = EAGER
+                self._note(f"{self._signature_text(signature)}: the background compile failed ({error}); "
+                           "it keeps running eagerly")
+                continue
+            self._ready.add(signature)
+            if self.stats.switch_step is None:
+                self.stats.switch_step = step
+                self.stats.switch_seconds = round(time.perf_counter() - self._first_sent, 3)
 
     def call(self, fn: Callable, signature: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         """Run a precompiled function with autocast switched off around it (it is inside)."""

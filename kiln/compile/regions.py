@@ -28,7 +28,7 @@ from torch import nn
 
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.monitor import MONITOR, check_recompile_policy
-from kiln.compile.precompiled import PrecompiledRegion, UnsupportedCall, unsupported_reason
+from kiln.compile.precompiled import EAGER, PrecompiledRegion, UnsupportedCall, unsupported_reason
 from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -319,6 +319,11 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     def forward(module, *args, **kwargs):
         if region.precompiled is not None and _stance() == "default":
             fn, signature = region.precompiled.function_for(module, args, kwargs)
+            if fn is EAGER:  # compiling in the background: this call runs the block's own forward
+                region.invocations += 1
+                region.eager_calls += 1
+                region.precompiled.stats.background_eager_calls += 1
+                return region.base_forward(module, *args, **kwargs)
             if fn is not None:
                 output = region.precompiled.call(fn, signature, module, args, kwargs)
                 if output is not _NOT_RUN:

@@ -39,6 +39,9 @@ class RegionReport:
     precompile_wait_seconds: float = 0.0  # waiting for another local process's artifact
     precompile_notes: list[str] = field(default_factory=list)  # why signatures were not loaded
     precompile_off: str | None = None  # why the region has no precompiled artifacts
+    background_eager_calls: int = 0  # calls run eagerly while compiling in the background
+    switch_step: int | None = None  # the optimizer step after which precompiled code took over
+    switch_seconds: float | None = None
 
     @property
     def silent(self) -> bool:
@@ -102,6 +105,11 @@ class CompileReport:
                 lines.append(f"{r.name}: hit Dynamo's recompile limit; {r.eager_calls} call(s) ran eagerly")
             elif r.silent:
                 lines.append(f"{r.name}: WARNING: no compiled code ran ({r.invocations} call(s))")
+            if r.background_eager_calls:
+                when = (f"switched to precompiled code after step {r.switch_step} ({r.switch_seconds:.1f} s "
+                        "after its first call)" if r.switch_step is not None else "not switched yet")
+                lines.append(f"{r.name}: compiled in the background: {r.background_eager_calls} call(s) "
+                             f"ran eagerly meanwhile; {when}")
             for note in r.precompile_notes:
                 lines.append(f"{r.name}: precompiled: {note}")
             if r.precompile_off:
@@ -148,7 +156,9 @@ def _precompile_fields(region) -> dict:
     if stats is not None:
         fields.update(precompiled_loaded=stats.loaded, precompiled_saved=stats.saved,
                       precompile_load_seconds=round(stats.load_seconds, 3),
-                      precompile_wait_seconds=round(stats.wait_seconds, 3), precompile_notes=list(stats.notes))
+                      precompile_wait_seconds=round(stats.wait_seconds, 3), precompile_notes=list(stats.notes),
+                      background_eager_calls=stats.background_eager_calls, switch_step=stats.switch_step,
+                      switch_seconds=stats.switch_seconds)
     return fields
 
 

@@ -24,7 +24,7 @@ from kiln.plugins import TorchDynamoPlugin
 class CompileSession:
     """Applies a `TorchDynamoPlugin` to the models of one Accelerator, and follows them."""
 
-    def __init__(self, plugin: TorchDynamoPlugin | None, is_writer: bool) -> None:
+    def __init__(self, plugin: TorchDynamoPlugin | None, is_writer: bool, is_local_main: bool = True) -> None:
         self.plugin = plugin if plugin is not None and plugin.enabled else None
         self.cache = None
         if self.plugin is not None:
@@ -32,6 +32,8 @@ class CompileSession:
             cache = CompileCache(self.plugin.cache_dir, self.plugin.cache, is_writer=is_writer)
             cache.activate()
             self.cache = cache if cache.enabled else None
+        self.is_local_main = is_local_main
+        self.background = None  # the helper that compiles while training (compile_in_background)
         self.models: list[nn.Module] = []  # the user's modules, unwrapped
         self._cache_keys: list[str] = []
         self._graphs_saved = 0
@@ -58,6 +60,8 @@ class CompileSession:
                             recompile=plugin.recompile, precompile=precompile, **kwargs)
         else:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, **kwargs)
+        if plugin.compile_in_background:
+            self._compile_in_background(model)
         if plugin.precompile:
             for region in compiled_regions(model):
                 if region.precompile_off:
@@ -68,6 +72,25 @@ class CompileSession:
             key = self.cache.key(model, settings, device)
             self.cache.load(key)  # before the first compiled call
             self._cache_keys.append(key)
+
+    def _compile_in_background(self, model: nn.Module) -> None:
+        """One helper per machine: the local main process starts it, the other local processes
+        load what it writes into the shared cache folder."""
+        from kiln.compile.background import BackgroundCompiler
+
+        if self.is_local_main and self.background is None and self.cache is not None:
+            self.background = BackgroundCompiler(self.cache.precompiled_dir)
+        for region in compiled_regions(model):
+            if region.precompiled is not None:
+                if self.is_local_main:
+                    region.precompiled.background = self.background
+                else:
+                    region.precompiled.background_wait = True
+
+    def close(self) -> None:
+        """Stop the background compiler, if one runs."""
+        if self.background is not None:
+            self.background.close()
 
     def check_dataloader(self, dataloader: DataLoader) -> None:
         """Warn when a short last batch would compile new graphs every epoch."""
@@ -96,13 +119,18 @@ class CompileSession:
         """At the end of warm-up: recompiles meet the policy, silent regions are called out, and
         what was compiled (forward and backward by now) is saved for the next run."""
         self._steps += 1
+        if self.plugin is not None and self.plugin.compile_in_background:
+            for model in self.models:
+                for region in compiled_regions(model):
+                    if region.precompiled is not None:
+                        region.precompiled.poll(self._steps)
         if self.plugin is None or self._steps != max(1, self.plugin.warmup_steps):
             return
         for model in self.models:
             mark_warm(model)
         self.save_cache()
         for region in self.report().regions:
-            if region.silent:
+            if region.silent and not region.background_eager_calls:  # eager by design while compiling
                 how = (f"its {region.invocations} call(s) all ran eagerly" if region.invocations
                        else "it was never called (is the prepared model the one being run?)")
                 warnings.warn(

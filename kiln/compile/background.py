@@ -1,0 +1,323 @@
+"""Train while compiling: a helper process compiles regions ahead of time from the signatures of
+their first calls, while the training process runs those regions eagerly; between steps the
+training process loads what is ready and switches each region to compiled code.
+
+Depends on torch, kiln.compile.precompiled and kiln.compile.regions' entry builder; never on the
+facade or a strategy. The helper is `python -m kiln.compile.background` (not multiprocessing's
+spawn, which would run the user's script again in the helper when it lacks a main guard). It gets
+jobs as length-prefixed pickles on its stdin and answers on its stdout. It dies with the training
+process: Linux's parent-death signal, a watchdog on its parent's pid, and the end of its stdin.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+               "_load_state_dict_post_hooks")
+
+
+def weightless_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
+    """A copy of `module` with its parameters and buffers on the meta device (shapes, dtypes and
+    requires_grad kept, no data), without hooks or an instance forward, as class `cls` (default:
+    its own). What the helper rebuilds a block from: FSDP2's and Kiln's additions are left out."""
+    cls = cls or type(module)
+    copy = cls.__new__(cls)
+    state = dict(module.__dict__)
+    state.pop("forward", None)
+    for name in _HOOK_DICTS:
+        if name in state:
+            state[name] = type(state[name])()
+    state["_parameters"] = {n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                                   requires_grad=p.requires_grad)
+                            for n, p in module._parameters.items()}
+    state["_buffers"] = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype, device="meta")
+                         for n, b in module._buffers.items()}
+    state["_modules"] = {n: None if c is None else weightless_copy(c) for n, c in module._modules.items()}
+    copy.__dict__.update(state)
+    return copy
+
+
+@dataclass
+class Job:
+    """One signature of one region to compile ahead of time, everything the helper needs."""
+
+    region: str
+    label: str
+    block_class: tuple[str, str]  # module, qualname
+    forward: tuple[str, str]
+    compile_kwargs: dict[str, Any]
+    directory: str
+    skeleton: bytes  # the pickled weightless copy
+    device: str
+    signature: tuple
+
+
+def _path_of(obj: Any) -> tuple[str, str]:
+    if "<locals>" in obj.__qualname__ or obj.__module__ == "__main__":
+        raise ValueError(f"{obj.__qualname__} cannot be imported by another process "
+                         "(defined in a function or in the script run as __main__)")
+    return obj.__module__, obj.__qualname__
+
+
+def _import(path: tuple[str, str]) -> Any:
+    import importlib
+    obj = importlib.import_module(path[0])
+    for part in path[1].split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def example_inputs(signature: tuple) -> tuple[tuple, dict]:
+    """Random inputs that match a call signature (floats random, integers and booleans zero)."""
+    fields = dict(signature)
+    args = tuple(_example(d) for d in fields["args"])
+    kwargs = {k: _example(d) for k, d in fields["kwargs"]}
+    return args, kwargs
+
+
+def _example(desc: Any) -> Any:
+    kind = desc[0]
+    if kind == "tensor":
+        _, shape, dtype, device, requires_grad, strides = desc
+        if strides is not None:
+            raise ValueError("a non-contiguous tensor argument cannot be rebuilt from its signature")
+        dtype = getattr(torch, dtype.replace("torch.", ""))
+        if dtype.is_floating_point or dtype.is_complex:
+            value = torch.randn(shape, dtype=dtype, device=device)
+        else:
+            value = torch.zeros(shape, dtype=dtype, device=device)
+        return value.requires_grad_(requires_grad)
+    if kind in ("tuple", "list"):
+        items = [_example(d) for d in desc[1]]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: _example(d) for k, d in desc[1]}
+    if kind == "dtype":
+        return getattr(torch, desc[1].replace("torch.", ""))
+    if kind == "device":
+        return torch.device(desc[1])
+    return desc[1]
+
+
+# ---------------------------------------------------------------- the training process's side
+
+class BackgroundCompiler:
+    """The training process's handle on its helper process: submit jobs, see which are done."""
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.log_dir = Path(log_dir)
+        self.process: subprocess.Popen | None = None
+        self.done: dict[tuple[str, str], str | None] = {}  # (region, digest) -> None (ok) or the error
+        self.failure: str | None = None  # why the helper is gone, once it is
+        self._lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._warned = False
+
+    def submit_signature(self, region: Any, module: nn.Module, signature: tuple, digest: str) -> bool:
+        """Build the job for one signature of a `PrecompiledRegion` met at `module`, and send it."""
+        try:
+            device = next((str(t.device) for t in [*module.parameters(), *module.buffers()]), "cpu")
+            job = Job(region.name, region.label, _path_of(region.block_class), _path_of(region.forward),
+                      dict(region.compile_kwargs), str(region.root),
+                      pickle.dumps(weightless_copy(module, region.block_class)), device, signature)
+        except Exception as exc:  # an attribute that does not pickle, a class defined in a function
+            return self._refuse(region.name, digest, f"the block cannot be sent to the helper "
+                                                     f"({type(exc).__name__}: {exc})")
+        return self.submit(job, digest)
+
+    def _refuse(self, region: str, digest: str, why: str) -> bool:
+        with self._lock:
+            self.done[(region, digest)] = why
+        return False
+
+    def submit(self, job: Job, digest: str) -> bool:
+        """Send a job; False when the helper cannot take it (it failed or died)."""
+        if self.failure is not None:
+            return False
+        try:
+            self._start()
+            _write_frame(self.process.stdin, pickle.dumps((digest, job)))
+        except (OSError, pickle.PicklingError, AttributeError, TypeError) as exc:
+            self._fail(f"a job could not be sent ({type(exc).__name__}: {exc})")
+            return False
+        return True
+
+    def status(self, region: str, digest: str) -> tuple[bool, str | None]:
+        """(finished, error) of a job; a dead helper finishes every job with its cause."""
+        with self._lock:
+            if (region, digest) in self.done:
+                return True, self.done[(region, digest)]
+        if self.process is not None and self.process.poll() is not None and self.failure is None:
+            self._reader.join(timeout=1)
+            with self._lock:
+                if (region, digest) in self.done:
+                    return True, self.done[(region, digest)]
+            self._fail(f"the background compiler (pid {self.process.pid}) exited with code "
+                       f"{self.process.returncode}; see {self.log_path}")
+        if self.failure is not None:
+            return True, self.failure
+        return False, None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"background-compiler-{os.getpid()}.log"
+
+    def close(self) -> None:
+        """Stop the helper (it is also stopped when this process ends, however it ends)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def _start(self) -> None:
+        if self.process is not None:
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        # The helper imports the block classes the training process imported: same search path.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env["KILN_BACKGROUND_PARENT"] = str(os.getpid())
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.background"], env=env,
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
+        self._reader = threading.Thread(target=self._read, name="kiln-background-results", daemon=True)
+        self._reader.start()
+        # Inductor's runtime is what loading a compiled artifact imports (about 2 s here); import
+        # it now, beside the eager steps, so the switch does not wait for it.
+        threading.Thread(target=_import_runtime, name="kiln-import-inductor", daemon=True).start()
+
+    def _read(self) -> None:
+        stream = self.process.stdout
+        while True:
+            frame = _read_frame(stream)
+            if frame is None:
+                return
+            region, digest, error = pickle.loads(frame)
+            with self._lock:
+                self.done[(region, digest)] = error
+
+    def _fail(self, why: str) -> None:
+        self.failure = why
+        if not self._warned:
+            self._warned = True
+            from kiln.compile.monitor import KilnFallbackWarning
+            warnings.warn(f"{why}: the regions it had not compiled yet keep running eagerly",
+                          KilnFallbackWarning, stacklevel=4)
+
+
+def _import_runtime() -> None:
+    try:
+        import torch._dynamo.aot_compile  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401
+    except Exception:  # an import that fails here fails again, visibly, where it is needed
+        pass
+
+
+def _write_frame(stream, data: bytes) -> None:
+    stream.write(struct.pack(">Q", len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream) -> bytes | None:
+    head = stream.read(8)
+    if len(head) < 8:
+        return None
+    (size,) = struct.unpack(">Q", head)
+    data = stream.read(size)
+    return data if len(data) == size else None
+
+
+# ---------------------------------------------------------------- the helper's side
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def compile_job(job: Job) -> None:
+    """Compile one job's signature ahead of time into its folder (the helper's work)."""
+    from kiln.compile.precompiled import PrecompiledRegion, _autocast_off
+    from kiln.compile.regions import _region_entry
+
+    cls, forward = _import(job.block_class), _import(job.forward)
+    module = pickle.loads(job.skeleton).to_empty(device=job.device)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.normal_() if tensor.dtype.is_floating_point else tensor.zero_()
+    fields = dict(job.signature)
+    torch.set_num_threads(fields["num_threads"])  # loaded code guards on it: the training process's count
+    for flag, submodule in zip(fields["training"], module.modules()):
+        submodule.training = flag
+    args, kwargs = example_inputs(job.signature)
+    region = PrecompiledRegion(job.directory, job.region, job.label, _region_entry(forward, job.label), cls,
+                               forward, job.compile_kwargs)
+    with torch.set_grad_enabled(fields["grad_enabled"]), _autocast_off(fields["autocast"]):
+        compiled = region._load_or_compile(job.signature, module, args, kwargs)
+    if compiled is None:
+        raise RuntimeError("; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing")
+
+
+def main() -> None:
+    parent = int(os.environ.get("KILN_BACKGROUND_PARENT", os.getppid()))
+    _die_with_parent()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
+    while True:
+        frame = _read_frame(stdin)
+        if frame is None:
+            return
+        digest, job = pickle.loads(frame)
+        error = None
+        start = time.perf_counter()
+        try:
+            compile_job(job)
+        except Exception as exc:  # reported to the training process, which warns once
+            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        print(f"[kiln background] {job.region} {digest[:8]}: {error or 'compiled'} in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        _write_frame(stdout, pickle.dumps((job.region, digest, error)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Train while compiling (kiln/compile/background.py): eager steps while a helper process compiles
+each region, a switch to its precompiled code between steps, and a helper that never outlives
+training or stops it."""
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import Accelerator, TorchDynamoPlugin
+from kiln.compile.background import example_inputs, weightless_copy
+from kiln.compile.monitor import KilnFallbackWarning
+from kiln.compile.precompiled import call_signature
+from toy_models import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _llama():
+    torch.manual_seed(0)
+    model = tiny_llama(3).train()
+    model.config.loss_type = model.loss_type = "ForCausalLM"
+    return model
+
+
+def _prepared(tmp_path):
+    plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False, use_regional_compilation=True,
+                               cache_dir=str(tmp_path), compile_in_background=True)
+    acc = Accelerator(dynamo_plugin=plugin)
+    model = _llama()
+    reference = copy.deepcopy(model)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return acc, model, optimizer, reference
+
+
+def _step(model, optimizer, step, acc=None):
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(step))
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    acc.backward(loss) if acc is not None else loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def test_training_runs_eagerly_then_switches_to_the_helpers_precompiled_code(tmp_path):
+    acc, model, optimizer, reference = _prepared(tmp_path)
+    losses, deadline = [], time.monotonic() + 240
+    while time.monotonic() < deadline:
+        losses.append(_step(model, optimizer, len(losses), acc))
+        region = acc.compile_report().regions[0]
+        if region.precompiled_calls >= 15:  # five steps on precompiled code
+            break
+    assert region.precompiled_calls >= 15, acc.compile_report().table()
+    switch = region.switch_step
+    assert switch is not None and region.background_eager_calls == 3 * switch  # 3 layers per step
+    assert region.traces == 0 and region.jit_calls == 0  # this process traced nothing
+    assert "compiled in the background" in acc.compile_report().table()
+
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    expected = [_step(reference, eager_optimizer, i) for i in range(len(losses))]
+    assert losses[:switch] == pytest.approx(expected[:switch], abs=1e-6)  # the eager steps: eager's numbers
+    assert losses[switch:] == pytest.approx(expected[switch:], abs=1e-4)
+    helper = acc.compiler.background.process
+    acc.end_training()
+    assert helper.poll() is not None  # end_training stopped it
+
+
+def test_a_killed_helper_leaves_training_eager_with_one_warning(tmp_path):
+    acc, model, optimizer, reference = _prepared(tmp_path)
+    losses = [_step(model, optimizer, 0, acc)]
+    os.kill(acc.compiler.background.pid, signal.SIGKILL)
+    acc.compiler.background.process.wait()
+    with pytest.warns(KilnFallbackWarning, match=r"background compiler \(pid \d+\) exited") as caught:
+        for step in range(1, 4):
+            losses.append(_step(model, optimizer, step, acc))
+    assert len([w for w in caught if issubclass(w.category, KilnFallbackWarning)]) == 1
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert losses == pytest.approx([_step(reference, eager_optimizer, i) for i in range(4)], abs=1e-6)
+    region = acc.compile_report().regions[0]
+    assert region.ran == "eager" and any("background compile failed" in n for n in region.precompile_notes)
+
+
+SCRIPT = """
+import sys, time, torch
+sys.path.insert(0, {tests!r})
+from toy_models import tiny_llama
+from kiln import Accelerator, TorchDynamoPlugin
+plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, use_regional_compilation=True,
+                           cache_dir=sys.argv[1], compile_in_background=True)
+acc = Accelerator(dynamo_plugin=plugin)
+model = acc.prepare(tiny_llama(2).train())
+model(input_ids=torch.zeros(2, 8, dtype=torch.long), use_cache=False).logits.sum().backward()
+print(acc.compiler.background.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_no_helper_outlives_a_killed_training_process(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(ROOT / "tests")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    training = subprocess.Popen([sys.executable, str(script), str(tmp_path / "cache")], env=env,
+                                stdout=subprocess.PIPE, text=True)
+    helper = int(training.stdout.readline())
+    os.kill(helper, 0)  # alive while training runs
+    training.kill()
+    training.wait()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(helper, 0)
+        except ProcessLookupError:
+            break
+        _reap(helper)
+        time.sleep(0.1)
+    else:
+        os.kill(helper, signal.SIGKILL)
+        pytest.fail(f"helper {helper} outlived its training process")
+
+
+def _reap(pid):
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def test_the_helper_rebuilds_a_block_and_its_inputs_from_a_signature():
+    model = _llama()
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, 16, 32, requires_grad=True)
+    cos_sin = model.model.rotary_emb(hidden, torch.arange(16)[None])
+    kwargs = {"position_embeddings": cos_sin, "attention_mask": None, "use_cache": False}
+    signature = call_signature(layer, (hidden,), kwargs)
+    skeleton = weightless_copy(layer)
+    assert all(p.is_meta for p in skeleton.parameters()) and not skeleton._forward_pre_hooks
+    rebuilt = skeleton.to_empty(device="cpu")
+    args, rebuilt_kwargs = example_inputs(signature)
+    assert call_signature(rebuilt, args, rebuilt_kwargs) == signature
+
+
+def test_background_setting_is_validated():
+    with pytest.raises(ValueError, match="precompile=False"):
+        TorchDynamoPlugin(fullgraph=True, compile_in_background=True, precompile=False)
+    with pytest.raises(ValueError, match="fullgraph=True"):
+        TorchDynamoPlugin(compile_in_background=True)
+    plugin = TorchDynamoPlugin(fullgraph=True, environ={"KILN_DYNAMO_COMPILE_IN_BACKGROUND": "1"})
+    assert plugin.compile_in_background is True and plugin.precompile is True
