@@ -242,6 +242,10 @@ def suite_measure(suite: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
         from kiln.bench.warm_start import measure as warm_start_measure
 
         return warm_start_measure
+    if suite == "startup":
+        from kiln.bench.startup import measure as startup_measure
+
+        return startup_measure
     if suite == "buckets":
         from kiln.bench.buckets import measure as buckets_measure
 

@@ -5,7 +5,8 @@ Depends on the standard library only (the parent process plans rows without impo
 A plan is a list of groups; each group is a cross product of models x workloads x batch sizes x
 methods (x compile modes, x variants), so a plan can be small where a full cross product would not
 fit the time. A group belongs to a suite: `compile` (cold compile and steady steps, kiln.bench.measure),
-`warm-start` (kiln.bench.warm_start) or `buckets` (kiln.bench.buckets); the variants are the suite's.
+`warm-start` (kiln.bench.warm_start), `buckets` (kiln.bench.buckets) or `startup`
+(kiln.bench.startup); the variants are the suite's.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ SUITE_VARIANTS = {
     "warm-start": ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
                    "warm-precompiled", "warm-precompiled-copy"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
+    "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
+                "precompiled-warm-copy", "background-cold", "accelerate-regional"),
 }
 
 
@@ -130,6 +133,13 @@ PLANS: dict[str, list[Group]] = {
     "warm-start": [
         Group(["small"], ["train"], [4], ["regional"], suite="warm-start",
               variants=list(SUITE_VARIANTS["warm-start"]), steps=5),
+    ],
+    # Whole training jobs from a fresh process: first step and time to 20/100/400/500 steps for
+    # eager, Kiln's blocking, warm, precompiled and background starts, and Accelerate's regional
+    # compile; the small Llama and the demo's GPT-2 (about 8 minutes on 2 cores).
+    "startup": [
+        Group(["small", "demo"], ["train"], [4], ["regional"], suite="startup",
+              variants=list(SUITE_VARIANTS["startup"]), steps=500),
     ],
     # Shape buckets over one epoch of variable-length batches; aot_eager unless --backend says
     # otherwise (Inductor builds up to 8 graphs with gcc here: minutes per row).

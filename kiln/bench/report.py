@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kiln.bench import buckets, warm_start
+from kiln.bench import buckets, startup, warm_start
 from kiln.bench.plan import METHODS
 
 # The targets, checked on rows of the same run: same model, workload, batch and mode.
@@ -264,6 +264,10 @@ def write_results(rows: list[dict[str, Any]], out: Path, name: str, plots: bool 
     if warm_rows:
         sections.append(warm_start.render(warm_rows))
         checks += warm_start.target_checks(warm_rows)
+    startup_rows = [r for r in rows if r.get("suite") == "startup"]
+    if startup_rows:
+        sections.append(startup.render(startup_rows))
+        checks += startup.target_checks(startup_rows)
     bucket_rows = [r for r in rows if r.get("suite") == "buckets"]
     if bucket_rows:
         sections.append(buckets.render(bucket_rows))

@@ -38,7 +38,7 @@ def run_rows(
     results = []
     begin = time.perf_counter()
     # Warm-start rows' cache folders; made only when the plan has such rows.
-    warm = any(row.suite == "warm-start" for row in rows)
+    warm = any(row.suite in ("warm-start", "startup") for row in rows)
     workspace = Path(tempfile.mkdtemp(prefix="kiln_bench_warm_")) if warm else None
     colds: dict[tuple, Path] = {}  # a warm-start case -> the folder its latest cold row wrote
     try:
@@ -50,7 +50,7 @@ def run_rows(
                 if on_start:
                     on_start(index, row)
                 timeout_s = row_timeout_s if left is None else min(row_timeout_s, left)
-                if row.suite == "warm-start":
+                if row.suite in ("warm-start", "startup"):
                     result = _run_warm_start_row(row, index, workspace, colds, timeout_s)
                 else:
                     result = run_row(row, timeout_s=timeout_s)
@@ -73,7 +73,11 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
                         timeout_s: float) -> dict[str, Any]:
     """A warm-start row: a fresh interpreter whose KILN_COMPILE_CACHE_DIR holds what its variant keeps
     of the case's cold folder (Kiln points Inductor into that folder; nothing else is set)."""
-    from kiln.bench.warm_start import base_variant, prepare_folder
+    if row.suite == "startup":
+        from kiln.bench.startup import SAME_FOLDER, base_variant, prepare_folder
+    else:
+        from kiln.bench.warm_start import base_variant, prepare_folder
+        SAME_FOLDER = ("warm-precompiled",)
 
     base = base_variant(row.variant)
     case = (dataclasses.astuple(dataclasses.replace(row, variant="")), base)
@@ -83,11 +87,14 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
         colds[case] = folder
     elif case not in colds:
         return dict(row.as_dict(), error=f"no {base} row of this case ran before it: nothing to start warm from")
-    elif row.variant == "warm-precompiled":
+    elif row.variant in SAME_FOLDER:
         folder = colds[case]  # the same folder: the next run of the same job
     else:
         prepare_folder(row.variant, colds[case], folder)
-    return _run_child(row, {"KILN_COMPILE_CACHE_DIR": str(folder)}, timeout_s)
+    caches = {"KILN_COMPILE_CACHE_DIR": str(folder)}
+    if row.variant in ("eager", "accelerate-regional"):  # no Kiln cache: Inductor's own, empty, in the folder
+        caches["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    return _run_child(row, caches, timeout_s)
 
 
 def _run_child(row: Row, caches: dict[str, str], timeout_s: float) -> dict[str, Any]:
@@ -175,8 +182,9 @@ def progress_tail(result: dict[str, Any]) -> str:
     note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
     suite = result.get("suite", "compile")
     if suite != "compile":
-        from kiln.bench import buckets, warm_start
+        from kiln.bench import buckets, startup, warm_start
 
-        return f"{head}  {(warm_start if suite == 'warm-start' else buckets).progress(result)}{note}"
+        module = {"warm-start": warm_start, "startup": startup}.get(suite, buckets)
+        return f"{head}  {module.progress(result)}{note}"
     return (f"{head}  compile {result['compile_s']:.1f} s, steady {result['steady_ms']:.2f} ms, "
             f"peak {result['peak_mib']:.0f} MiB{note}")

@@ -128,6 +128,7 @@ class BackgroundCompiler:
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._warned = False
+        self._importing = False
 
     def submit_signature(self, region: Any, module: nn.Module, signature: tuple, digest: str) -> bool:
         """Build the job for one signature of a `PrecompiledRegion` met at `module`, and send it."""
@@ -160,6 +161,12 @@ class BackgroundCompiler:
 
     def status(self, region: str, digest: str) -> tuple[bool, str | None]:
         """(finished, error) of a job; a dead helper finishes every job with its cause."""
+        if not self._importing:
+            # Inductor's runtime is what loading an artifact imports (1-2 s here). Imported on a
+            # thread from the first poll on (after step 1, which it would slow down: the import
+            # holds the GIL), beside the eager steps, so the switch does not wait for it.
+            self._importing = True
+            threading.Thread(target=_import_runtime, name="kiln-import-inductor", daemon=True).start()
         with self._lock:
             if (region, digest) in self.done:
                 return True, self.done[(region, digest)]
@@ -210,9 +217,6 @@ class BackgroundCompiler:
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self._reader = threading.Thread(target=self._read, name="kiln-background-results", daemon=True)
         self._reader.start()
-        # Inductor's runtime is what loading a compiled artifact imports (about 2 s here); import
-        # it now, beside the eager steps, so the switch does not wait for it.
-        threading.Thread(target=_import_runtime, name="kiln-import-inductor", daemon=True).start()
 
     def _read(self) -> None:
         stream = self.process.stdout

@@ -446,9 +446,10 @@ class PrecompiledRegion:
             for p, _ in grads:
                 p.grad = None
             hits = _autograd_cache_hits()
-            with _as_class(module, self.block_class):
+            private = _private_autograd_cache(self.directory / ".aotautograd" / signature_digest(signature))
+            with _as_class(module, self.block_class), private:
                 compiled = torch.compile(entry, **kw).aot_compile(examples)
-            if _autograd_cache_hits() != hits:
+            if not private.active and _autograd_cache_hits() != hits:
                 raise _ServedFromCache()
             payload = _serialize(compiled)
         except _ServedFromCache:
@@ -566,12 +567,43 @@ def _lock_is_stale(lock: Path) -> bool:
 
 
 class _ServedFromCache(Exception):
-    """AOTAutograd's cache answered an ahead-of-time compile. With torch 2.13 (bf16, aot_eager)
-    a compile at batch 3 in a run that followed one at batch 6 of the same block produced code for
-    batch 6 under batch-3 guards ("shape '[18, 16]' is invalid for input of size 144" at its first
-    call); with the Inductor folder emptied between the runs it did not. Neither switching the
-    cache off (the result can then not be saved: "does not implement SerializableCallable") nor a
-    `torch.compiler.config.cache_key_tag` avoided it, so a compile the cache answered is not used."""
+    """AOTAutograd's shared disk cache answered an ahead-of-time compile. With torch 2.13 (bf16,
+    aot_eager), a compile at batch 3 in a run that followed one at batch 6 of the same block was
+    answered with batch-6 code under batch-3 guards ("shape '[18, 16]' is invalid for input of
+    size 144" at its first call); with the Inductor folder emptied between the runs it was not.
+    Switching the cache off is no way out (the result can then not be saved: "does not implement
+    SerializableCallable"), nor is `torch.compiler.config.cache_key_tag`. So each signature gets a
+    cache folder of its own (`_private_autograd_cache`), and where that cannot be done, a compile
+    the shared cache answered is not used."""
+
+
+class _private_autograd_cache:
+    """AOTAutograd's disk cache in a folder of one signature's own while it is compiled ahead of
+    time (`_ServedFromCache` says why a shared one cannot be trusted). It stays on, as saving needs
+    it. Patches a private classmethod (AOTAutogradCache._get_tmp_dir, torch 2.13); where that is
+    missing, `active` stays False and a compile the cache answered is not used instead."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.active, self._saved = folder, False, None
+        try:
+            from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+        except ImportError:
+            self.cache = None
+        else:
+            self.cache = AOTAutogradCache if "_get_tmp_dir" in vars(AOTAutogradCache) else None
+
+    def __enter__(self):
+        if self.cache is not None:
+            self._saved = vars(self.cache)["_get_tmp_dir"]
+            folder = str(self.folder)
+            self.cache._get_tmp_dir = classmethod(lambda cls: folder)
+            self.active = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.cache is not None:
+            self.cache._get_tmp_dir = self._saved
+        return False
 
 
 def _autograd_cache_hits() -> int:

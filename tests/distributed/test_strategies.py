@@ -110,12 +110,14 @@ def test_fsdp2_regional_compile_matches_one_process(tmp_path, shared_run, precis
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_precompiled_regions_in_bf16_train_like_jit_under_ddp_and_fsdp2(tmp_path, shared_run, strategy,
                                                                          monkeypatch):
-    # Two processes on one cache folder: each signature is compiled by one of them and loaded
-    # by the other; the hooks of DDP and FSDP2 run around the precompiled forward. The folder's
-    # Inductor caches start empty: a compile they answer is not used (kiln/compile/precompiled.py).
+    # One process writes artifacts (batch 6), then two processes start from the same folder: their
+    # batch of 3 is a new signature, compiled by one of them and loaded by the other, beside the
+    # Inductor caches of the first run (which once served batch-6 code: precompiled.py). The hooks
+    # of DDP and FSDP2 run around the precompiled forward.
     monkeypatch.setenv("KILN_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
     flags = ["--precision", "bf16", *(["--fsdp"] if strategy == "fsdp2" else [])]
     single = shared_run(1, "--precision", "bf16")
+    run_worker(tmp_path, 1, "--precision", "bf16", "--precompile")
     double = run_worker(tmp_path, 2, *flags, "--precompile")
     for a, b in zip(single["losses"], double["losses"]):
         assert abs(a - b) <= 2e-2 * max(1.0, abs(a)), (single["losses"], double["losses"])

@@ -1,0 +1,194 @@
+"""The start-up suite of `kiln bench`: a whole training job in a fresh process, timed from the process's
+start: the first step (prepare, loading and compiling inside it) and the time to finish 20, 100, 400
+and 500 steps, for each way of starting.
+
+Depends on the standard library at import; the child side imports torch, transformers, Kiln's
+Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache folder holds, and how):
+    eager                   no compile
+    regional-cold           Kiln's regional compile, JIT, an empty folder (today's blocking start)
+    regional-warm           the same, from a copy of regional-cold's folder (today's warm start)
+    precompiled-cold        precompile=True, an empty folder: it writes the precompiled artifacts
+    precompiled-warm        precompiled-cold's own folder (the next run of the same job)
+    precompiled-warm-copy   a copy of precompiled-cold's folder at another path
+    background-cold         compile_in_background=True, an empty folder
+    accelerate-regional     Accelerate's own regional compile, an empty Inductor folder
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
+            "precompiled-warm-copy", "background-cold", "accelerate-regional")
+MILESTONES = (20, 100, 400, 500)
+SAME_FOLDER = ("precompiled-warm",)  # runs in its base row's folder itself
+WARM_OVERHEAD_RATIO = 0.10  # a precompiled warm start's overhead over the cold compile's
+BACKGROUND_FIRST_STEP_RATIO = 2.0  # background mode's first step over an eager process's
+BACKGROUND_TIME_RATIO = 0.85  # background mode's time to 400 steps over the blocking compile's
+# The demo's model (examples/train_lm.py's defaults): GPT-2, 4 layers of width 128.
+DEMO_GPT2 = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=256)
+
+
+def base_variant(variant: str) -> str:
+    """The variant whose folder this one starts from (itself for a cold start)."""
+    return {"regional-warm": "regional-cold", "precompiled-warm": "precompiled-cold",
+            "precompiled-warm-copy": "precompiled-cold"}.get(variant, variant)
+
+
+def prepare_folder(variant: str, base: Path, target: Path) -> None:
+    """A warm variant's folder: a copy of its base row's whole folder."""
+    shutil.copytree(base, target, symlinks=True)
+
+
+def _process_start() -> float:
+    """When this process started (wall clock), from /proc; now where /proc is missing."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        started = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]) / ticks
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - started)
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _build(row: dict[str, Any]):
+    import torch
+
+    if row["model"] != "demo":
+        from kiln.bench.measure import build_model
+        model, config, ids = build_model(row)
+        return model, ids
+    import transformers
+
+    torch.manual_seed(row["seed"])
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**DEMO_GPT2, use_cache=False))
+    ids = torch.randint(0, DEMO_GPT2["vocab_size"], (row["batch"], row["seq"]))
+    return model, ids
+
+
+def measure(row: dict[str, Any]) -> dict[str, Any]:
+    """One training job of `row["steps"]` AdamW steps as its variant starts it; timings from the
+    process's start."""
+    process_start = _process_start()
+    import torch
+
+    if row.get("threads"):
+        torch.set_num_threads(row["threads"])
+    model, ids = _build(row)
+    model.train()
+    model.config.loss_type = model.loss_type = "ForCausalLM"  # see measure.measure
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    variant = row["variant"]
+    before_prepare = time.time()
+    accelerator, backward = None, None
+    if variant == "accelerate-regional":
+        from accelerate import Accelerator
+        from accelerate.utils import TorchDynamoPlugin
+
+        accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend=row["backend"], use_regional_compilation=True),
+                                  cpu=row["device"] == "cpu")
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+    elif variant != "eager":
+        from kiln import Accelerator, TorchDynamoPlugin
+
+        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=True, dynamic=False, use_regional_compilation=True,
+                                   precompile=variant.startswith("precompiled") or None,
+                                   compile_in_background=variant == "background-cold")
+        accelerator = Accelerator(dynamo_plugin=plugin, cpu=row["device"] == "cpu")
+        model, optimizer = accelerator.prepare(model, optimizer)
+        backward = accelerator.backward
+    times, at, losses = [], {}, []
+    for step in range(1, row["steps"] + 1):
+        begin = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        (backward or torch.Tensor.backward)(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - begin)
+        losses.append(float(loss))
+        if step == 1:
+            first_done = time.time()
+        if step in MILESTONES:
+            at[step] = round(time.time() - process_start, 3)
+    steady = statistics.median(times[-50:])
+    result = dict(row)
+    result.update(
+        start_to_prepare_s=round(before_prepare - process_start, 3),
+        first_s=round(first_done - before_prepare, 3), first_from_start_s=round(first_done - process_start, 3),
+        overhead_s=round(first_done - before_prepare - steady, 3), steady_ms=round(steady * 1e3, 3),
+        **{f"t{n}_s": at.get(n) for n in MILESTONES}, total_s=round(time.time() - process_start, 3),
+        loss_first=round(losses[0], 6), loss_last=round(losses[-1], 6), torch=torch.__version__,
+        threads=torch.get_num_threads(),
+    )
+    if accelerator is not None and variant != "accelerate-regional":
+        regions = accelerator.compile_report().regions
+        result.update(ran="/".join(r.ran for r in regions), traces=sum(r.traces for r in regions),
+                      precompiled_loaded=sum(r.precompiled_loaded for r in regions),
+                      switch_step=min((r.switch_step for r in regions if r.switch_step is not None), default=None),
+                      background_eager_calls=sum(r.background_eager_calls for r in regions))
+        accelerator.end_training()
+    return result
+
+
+def _done(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if "error" not in r and "skipped" not in r]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | variant | first step s (prepare + step) | overhead s | to 20 steps s | to 100 s | to 400 s | "
+             "to 500 s | steady ms | ran | traces | switched after step |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        if r not in _done(rows):
+            lines.append(f"| {r['model']} | {r['variant']} | {r.get('error', r.get('skipped'))[:80]} |" + " |" * 9)
+            continue
+        def cell(key: str) -> str:
+            value = r.get(key)
+            return "-" if value is None else (f"{value:.2f}" if isinstance(value, float) else str(value))
+        lines.append(f"| {r['model']} | {r['variant']} | {cell('first_s')} | {cell('overhead_s')} | {cell('t20_s')} | "
+                     f"{cell('t100_s')} | {cell('t400_s')} | {cell('t500_s')} | {r['steady_ms']:.1f} | "
+                     f"{r.get('ran', '-')} | {cell('traces')} | {cell('switch_step')} |")
+    return "\n".join(lines)
+
+
+def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 11's CPU targets, per model, as ratios of rows measured in the same run."""
+    checks = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {r["variant"]: r for r in _done(rows) if r["model"] == model}
+
+        def check(name: str, value: float, limit: float) -> None:
+            checks.append({"target": f"{model}: {name} <= {limit}", "value": round(value, 3), "limit": limit,
+                           "met": value <= limit})
+
+        cold = by.get("regional-cold")
+        for warm in ("precompiled-warm", "precompiled-warm-copy"):
+            if cold and warm in by:
+                check(f"{warm} overhead / regional-cold overhead", by[warm]["overhead_s"] / cold["overhead_s"],
+                      WARM_OVERHEAD_RATIO)
+        background, eager = by.get("background-cold"), by.get("eager")
+        if background and eager:
+            check("background-cold first step / eager first step", background["first_s"] / eager["first_s"],
+                  BACKGROUND_FIRST_STEP_RATIO)
+        if background and cold and background.get("t400_s") and cold.get("t400_s"):
+            check("background-cold time to 400 steps / regional-cold's", background["t400_s"] / cold["t400_s"],
+                  BACKGROUND_TIME_RATIO)
+    return checks
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    checks = "\n".join(f"- {c['target']}: {c['value']} ({'met' if c['met'] else 'missed'})" for c in target_checks(rows))
+    return ("Start-up of a training job (AdamW), each row a fresh process; the step times are from the process's "
+            "start, \"first step\" from just before `prepare` to the end of step 1, \"overhead\" that minus a "
+            f"steady step.\n\n{table(rows)}\n\n{checks}\n")
+
+
+def progress(result: dict[str, Any]) -> str:
+    return (f"first step {result['first_s']:.2f} s, to 400 steps {result.get('t400_s') or float('nan'):.1f} s, "
+            f"steady {result['steady_ms']:.1f} ms, ran {result.get('ran', '-')}")
