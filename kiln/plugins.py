@@ -20,6 +20,11 @@ RECOMPILE_POLICIES = ("warn", "error", "allow")
 ENV_PREFIX = "KILN_DYNAMO_"
 
 
+# Backends every torch since 2.0 registers: accepted without listing the registry, whose first
+# listing imports AOTAutograd (about 0.5 s of a start-up, torch 2.13).
+BUILTIN_BACKENDS = ("inductor", "eager", "aot_eager")
+
+
 def known_backends() -> list[str]:
     """Every backend name `torch.compile` accepts here, debug and experimental ones included."""
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
@@ -200,7 +205,7 @@ def validate_backend(backend: str | Callable) -> str | Callable:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string or a callable, got {backend!r}")
     lowered = backend.strip().lower()
-    if lowered in DISABLED_BACKENDS:
+    if lowered in DISABLED_BACKENDS or lowered in BUILTIN_BACKENDS:
         return lowered
     choices = known_backends()
     if lowered not in choices:

@@ -268,6 +268,8 @@ def write_results(rows: list[dict[str, Any]], out: Path, name: str, plots: bool 
     if startup_rows:
         sections.append(startup.render(startup_rows))
         checks += startup.target_checks(startup_rows)
+        if plots and pyplot() is not None:
+            files += startup.plot(startup_rows, stem, pyplot())
     bucket_rows = [r for r in rows if r.get("suite") == "buckets"]
     if bucket_rows:
         sections.append(buckets.render(bucket_rows))

@@ -192,3 +192,26 @@ def render(rows: list[dict[str, Any]]) -> str:
 def progress(result: dict[str, Any]) -> str:
     return (f"first step {result['first_s']:.2f} s, to 400 steps {result.get('t400_s') or float('nan'):.1f} s, "
             f"steady {result['steady_ms']:.1f} ms, ran {result.get('ran', '-')}")
+
+
+def plot(rows: list[dict[str, Any]], stem: Path, plt: Any) -> list[Path]:
+    """`<stem>_startup.png`: seconds from process start to each step milestone, one line per
+    variant, one panel per model."""
+    done = _done(rows)
+    models = list(dict.fromkeys(r["model"] for r in done))
+    if not models:
+        return []
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for r in (r for r in done if r["model"] == model):
+            points = [(1, r["first_from_start_s"])] + [(n, r[f"t{n}_s"]) for n in MILESTONES if r.get(f"t{n}_s")]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=r["variant"])
+        ax.set_xlabel("steps finished")
+        ax.set_ylabel("seconds since the process started")
+        ax.set_title(f"{model}: training job start-up ({done[0]['backend']}, {done[0]['device']})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = stem.with_name(stem.name + "_startup.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]

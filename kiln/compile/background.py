@@ -305,6 +305,12 @@ def main() -> None:
     parent = int(os.environ.get("KILN_BACKGROUND_PARENT", os.getppid()))
     _die_with_parent()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # Below the training process in the scheduler: on a machine without spare cores the eager
+    # steps keep their speed, and the compile (gcc included, which inherits this) takes what is left.
+    try:
+        os.nice(10)
+    except OSError:
+        pass
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
     while True:

@@ -55,7 +55,7 @@ class UnsupportedCall(Exception):
 def unsupported_reason(compile_kwargs: dict[str, Any]) -> str | None:
     """Why these compile settings (or this torch) cannot use precompiled regions; None if they can."""
     if not hasattr(torch.compiler, "load_compiled_function") or not hasattr(
-            torch.compile(_probe), "aot_compile"):
+            torch.compile(_probe, backend="eager"), "aot_compile"):
         return (f"torch {torch.__version__} has no ahead-of-time compile "
                 "(torch.compile(...).aot_compile and torch.compiler.load_compiled_function)")
     if not compile_kwargs.get("fullgraph"):
