@@ -278,7 +278,6 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
     label = _unique_label(name)
     tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
     entry = _region_entry(forward, label)
-    compiled = torch.compile(entry, backend=tracked, **kwargs)
     region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile,
                             base_forward=forward)
     if precompile is not None:
@@ -290,6 +289,12 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
                     on_compile=lambda reason, first: MONITOR.after_precompile(region, reason, first))
             except UnsupportedCall as exc:
                 region.precompile_off = str(exc)
+    if region.precompiled is not None:
+        # JIT is the fallback here: torch.compile() itself costs a start-up 0.36 s of imports
+        # (Dynamo's debugging backends, AOTAutograd; torch 2.13), paid only if a call needs it.
+        compiled = _LazyCompile(entry, tracked, kwargs)
+    else:
+        compiled = torch.compile(entry, backend=tracked, **kwargs)
     region.compiled_forward = _region_forward(region, compiled)
     MONITOR.watch(region)
     for module in instances:
@@ -344,6 +349,18 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
 
 
 _NOT_RUN = PrecompiledRegion.NOT_RUN
+
+
+class _LazyCompile:
+    """`torch.compile(entry, backend=..., **kwargs)`, made at its first call."""
+
+    def __init__(self, entry: Callable, backend: TrackedBackend, kwargs: dict[str, Any]) -> None:
+        self.entry, self.backend, self.kwargs, self.fn = entry, backend, kwargs, None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.fn is None:
+            self.fn = torch.compile(self.entry, backend=self.backend, **self.kwargs)
+        return self.fn(*args, **kwargs)
 
 
 def _stance() -> str:
