@@ -28,7 +28,7 @@ from torch import nn
 
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.monitor import MONITOR, check_recompile_policy
-from kiln.compile.precompiled import EAGER, PrecompiledRegion, UnsupportedCall, unsupported_reason
+from kiln.compile.precompiled import EAGER, PrecompiledRegion, UnsupportedCall, _renamed, unsupported_reason
 from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -388,12 +388,7 @@ def _region_entry(forward: Callable, label: str) -> Callable:
     def entry(module, *args, **kwargs):
         return forward(module, *args, **kwargs)
 
-    changes = {"co_name": label}
-    if hasattr(entry.__code__, "co_qualname"):
-        changes["co_qualname"] = label
-    code = entry.__code__.replace(**changes)
-    fn = types.FunctionType(code, entry.__globals__, label, entry.__defaults__, entry.__closure__)
-    return fn
+    return _renamed(entry, label)
 
 
 def _already_compiled(model: nn.Module) -> bool:
