@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.compile.messages import first_line
+
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
@@ -129,6 +131,12 @@ class BackgroundCompiler:
         self._reader: threading.Thread | None = None
         self._warned = False
         self._importing = False
+        self.submitted: set[tuple[str, str]] = set()
+        # The thread count training had before it made room for the helper, while it runs on one
+        # thread fewer (`_make_room`); None otherwise. Signatures record this count, not the lower one.
+        self.own_threads: int | None = None
+        self.lowered_threads: int | None = None
+        self._made_room = False
 
     def submit_signature(self, region: Any, module: nn.Module, signature: tuple, digest: str) -> bool:
         """Build the job for one signature of a `PrecompiledRegion` met at `module`, and send it."""
@@ -157,7 +165,44 @@ class BackgroundCompiler:
         except (OSError, pickle.PicklingError, AttributeError, TypeError) as exc:
             self._fail(f"a job could not be sent ({type(exc).__name__}: {exc})")
             return False
+        self.submitted.add((job.region, digest))
+        self._make_room()
         return True
+
+    def _make_room(self) -> None:
+        """Before the first switch, training runs on one thread fewer when its threads fill every
+        core: on 2 cores (torch 2.13, OpenMP) a helper beside 2 training threads made each eager
+        step 10x slower (its threads wait for the one the helper displaced) and the compile 8x
+        slower; with one thread the steps keep their pace and the helper has a core."""
+        if self._made_room:
+            return
+        self._made_room = True
+        threads = torch.get_num_threads()
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or threads
+        if threads > 1 and threads >= cores:
+            self.own_threads, self.lowered_threads = threads, threads - 1
+            torch.set_num_threads(threads - 1)
+            print(f"[kiln] compiling in the background: training runs on {threads - 1} of its {threads} threads "
+                  "until the first compiled regions are ready", file=sys.stderr, flush=True)
+
+    def settle(self) -> None:
+        """Between steps: give training its threads back once no job is outstanding (then the
+        regions switch: the artifacts were made for that thread count)."""
+        if self.own_threads is None:
+            return
+        with self._lock:
+            outstanding = self.submitted - set(self.done)
+        if outstanding and self.failure is None and self.process is not None and self.process.poll() is None:
+            return
+        self._restore_threads()
+
+    def _restore_threads(self) -> None:
+        own, lowered, self.own_threads, self.lowered_threads = self.own_threads, self.lowered_threads, None, None
+        if own is not None and torch.get_num_threads() == lowered:  # unless the script changed it meanwhile
+            torch.set_num_threads(own)
 
     def status(self, region: str, digest: str) -> tuple[bool, str | None]:
         """(finished, error) of a job; a dead helper finishes every job with its cause."""
@@ -191,6 +236,7 @@ class BackgroundCompiler:
 
     def close(self) -> None:
         """Stop the helper (it is also stopped when this process ends, however it ends)."""
+        self._restore_threads()
         process, self.process = self.process, None
         if process is None:
             return
@@ -204,6 +250,16 @@ class BackgroundCompiler:
             process.kill()
             process.wait()
 
+    def start(self) -> None:
+        """Start the helper now (at `prepare`), so that its interpreter and torch's compiler are
+        imported by the time the first signature arrives; a no-op once it runs or failed."""
+        if self.process is not None or self.failure is not None:
+            return
+        try:
+            self._start()
+        except OSError as exc:
+            self._fail(f"the background compiler could not be started ({type(exc).__name__}: {exc})")
+
     def _start(self) -> None:
         if self.process is not None:
             return
@@ -212,6 +268,8 @@ class BackgroundCompiler:
         # The helper imports the block classes the training process imported: same search path.
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env["KILN_BACKGROUND_PARENT"] = str(os.getpid())
+        # One compiler process, not a pool per core: the helper is meant to use the core training left it.
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.background"], env=env,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
@@ -230,6 +288,7 @@ class BackgroundCompiler:
 
     def _fail(self, why: str) -> None:
         self.failure = why
+        self._restore_threads()
         if not self._warned:
             self._warned = True
             from kiln.compile.monitor import KilnFallbackWarning
@@ -280,7 +339,8 @@ def _die_with_parent() -> None:
 
 def compile_job(job: Job) -> None:
     """Compile one job's signature ahead of time into its folder (the helper's work)."""
-    from kiln.compile.precompiled import PrecompiledRegion, _autocast_off
+    from kiln.compile.aot_workarounds import autocast_off
+    from kiln.compile.precompiled import PrecompiledRegion
     from kiln.compile.regions import _region_entry
 
     cls, forward = _import(job.block_class), _import(job.forward)
@@ -295,7 +355,7 @@ def compile_job(job: Job) -> None:
     args, kwargs = example_inputs(job.signature)
     region = PrecompiledRegion(job.directory, job.region, job.label, _region_entry(forward, job.label), cls,
                                forward, job.compile_kwargs)
-    with torch.set_grad_enabled(fields["grad_enabled"]), _autocast_off(fields["autocast"]):
+    with torch.set_grad_enabled(fields["grad_enabled"]), autocast_off(fields["autocast"]):
         compiled = region._load_or_compile(job.signature, module, args, kwargs)
     if compiled is None:
         raise RuntimeError("; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing")
@@ -305,14 +365,17 @@ def main() -> None:
     parent = int(os.environ.get("KILN_BACKGROUND_PARENT", os.getppid()))
     _die_with_parent()
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    # Below the training process in the scheduler: on a machine without spare cores the eager
-    # steps keep their speed, and the compile (gcc included, which inherits this) takes what is left.
+    # Below the training process in the scheduler. Training leaves the helper a core where its
+    # threads would fill them all (BackgroundCompiler._make_room); where they still cannot (one
+    # thread per process, as many processes as cores), the eager steps keep their speed and the
+    # compile (gcc included, which inherits this) takes what is left.
     try:
         os.nice(10)
     except OSError:
         pass
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
+    _import_runtime()  # while the training process builds its first step, before any job comes
     while True:
         frame = _read_frame(stdin)
         if frame is None:
@@ -323,7 +386,7 @@ def main() -> None:
         try:
             compile_job(job)
         except Exception as exc:  # reported to the training process, which warns once
-            error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            error = f"{type(exc).__name__}: {first_line(str(exc))}"
         print(f"[kiln background] {job.region} {digest[:8]}: {error or 'compiled'} in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         _write_frame(stdout, pickle.dumps((job.region, digest, error)))

@@ -28,7 +28,9 @@ from torch import nn
 
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.monitor import MONITOR, check_recompile_policy
-from kiln.compile.precompiled import EAGER, PrecompiledRegion, UnsupportedCall, _renamed, unsupported_reason
+from kiln.compile.aot_workarounds import renamed
+from kiln.compile.precompiled import EAGER, PrecompiledRegion, unsupported_reason
+from kiln.compile.signatures import UnsupportedCall
 from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -388,7 +390,7 @@ def _region_entry(forward: Callable, label: str) -> Callable:
     def entry(module, *args, **kwargs):
         return forward(module, *args, **kwargs)
 
-    return _renamed(entry, label)
+    return renamed(entry, label)
 
 
 def _already_compiled(model: nn.Module) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from kiln.compile.messages import first_line
 from kiln.compile.monitor import MONITOR
 from kiln.compile.regions import compiled_regions
 
@@ -98,9 +99,9 @@ class CompileReport:
         lines.insert(1, "  ".join("-" * w for w in widths))
         for r in self.regions:
             for reason, count in r.graph_breaks.items():
-                lines.append(f"{r.name}: graph break x{count}: {_first_line(reason)}")
+                lines.append(f"{r.name}: graph break x{count}: {first_line(reason)}")
             for reason in dict.fromkeys(r.recompile_reasons):
-                lines.append(f"{r.name}: recompiled: {_first_line(reason)}")
+                lines.append(f"{r.name}: recompiled: {first_line(reason)}")
             if r.recompile_limit_hit:
                 lines.append(f"{r.name}: hit Dynamo's recompile limit; {r.eager_calls} call(s) ran eagerly")
             elif r.silent:
@@ -161,6 +162,3 @@ def _precompile_fields(region) -> dict:
                       switch_seconds=stats.switch_seconds)
     return fields
 
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else text

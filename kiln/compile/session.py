@@ -80,6 +80,7 @@ class CompileSession:
 
         if self.is_local_main and self.background is None and self.cache is not None:
             self.background = BackgroundCompiler(self.cache.precompiled_dir)
+            self.background.start()
         for region in compiled_regions(model):
             if region.precompiled is not None:
                 if self.is_local_main:
@@ -120,6 +121,8 @@ class CompileSession:
         what was compiled (forward and backward by now) is saved for the next run."""
         self._steps += 1
         if self.plugin is not None and self.plugin.compile_in_background:
+            if self.background is not None:
+                self.background.settle()
             for model in self.models:
                 for region in compiled_regions(model):
                     if region.precompiled is not None:

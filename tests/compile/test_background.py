@@ -16,7 +16,7 @@ import torch
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.compile.background import example_inputs, weightless_copy
 from kiln.compile.monitor import KilnFallbackWarning
-from kiln.compile.precompiled import call_signature
+from kiln.compile.signatures import call_signature
 from toy_models import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,10 +49,13 @@ def _step(model, optimizer, step, acc=None):
 
 
 def test_training_runs_eagerly_then_switches_to_the_helpers_precompiled_code(tmp_path):
+    threads = torch.get_num_threads()
     acc, model, optimizer, reference = _prepared(tmp_path)
-    losses, deadline = [], time.monotonic() + 240
+    losses, deadline, threads_while_eager = [], time.monotonic() + 240, set()
     while time.monotonic() < deadline:
         losses.append(_step(model, optimizer, len(losses), acc))
+        if acc.compile_report().regions[0].switch_step is None:  # after an eager step, before the switch
+            threads_while_eager.add(torch.get_num_threads())
         region = acc.compile_report().regions[0]
         if region.precompiled_calls >= 15:  # five steps on precompiled code
             break
@@ -61,6 +64,10 @@ def test_training_runs_eagerly_then_switches_to_the_helpers_precompiled_code(tmp
     assert switch is not None and region.background_eager_calls == 3 * switch  # 3 layers per step
     assert region.traces == 0 and region.jit_calls == 0  # this process traced nothing
     assert "compiled in the background" in acc.compile_report().table()
+    # Threads filling every core make room for the helper until the switch, and come back.
+    makes_room = threads > 1 and threads >= len(os.sched_getaffinity(0))
+    assert threads_while_eager == ({threads - 1} if makes_room else {threads})
+    assert torch.get_num_threads() == threads
 
     eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     expected = [_step(reference, eager_optimizer, i) for i in range(len(losses))]

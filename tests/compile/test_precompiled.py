@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -195,7 +194,7 @@ def test_a_refused_call_takes_the_jit_path(tmp_path, monkeypatch):
     # A signature that forgot the training flag: torch's own guards then refuse the eval call.
     real = pc.call_signature
     monkeypatch.setattr(pc, "call_signature",
-                        lambda m, a, k: tuple(f for f in real(m, a, k) if f[0] != "training"))
+                        lambda m, a, k, *threads: tuple(f for f in real(m, a, k, *threads) if f[0] != "training"))
     model = _compiled(_llama(), tmp_path)
     _step(model)
     model.eval()
