@@ -1,6 +1,6 @@
 """A backend wrapper that counts what the compiler did for one region: graphs built, compiled calls run.
 
-Depends on torch only. The counters are how Kiln proves compiled code ran (DESIGN.md: wrappers
+Depends on torch and kiln.compile.isa_probe only. The counters are how Kiln proves compiled code ran (DESIGN.md: wrappers
 and mixed precision can hide it), so every region Kiln compiles goes through `TrackedBackend`.
 """
 
@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from kiln.compile import isa_probe
 
 
 def resolve_backend(backend: str | Callable, mode: str | None, options: dict | None, dynamic: bool | None):
@@ -58,6 +60,7 @@ class TrackedBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         start = time.perf_counter()
+        isa_probe.wait()  # Inductor's CPU probe, if Kiln started it (isa_probe.py)
         compiled = self.inner(gm, example_inputs)
         nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method")
         self.graphs.append(GraphRecord(len(self.graphs), time.perf_counter() - start, nodes))

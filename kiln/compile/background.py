@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kiln.compile import isa_probe
 from kiln.compile.messages import first_line
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
@@ -301,7 +302,10 @@ def _import_runtime() -> None:
         import torch._dynamo.aot_compile  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
     except Exception:  # an import that fails here fails again, visibly, where it is needed
-        pass
+        return
+    if not torch.cuda.is_available():
+        isa_probe.start()  # on this thread: loading and compiling CPU code wait for it
+        isa_probe.wait()
 
 
 def _write_frame(stream, data: bytes) -> None:

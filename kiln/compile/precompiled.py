@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kiln.compile import isa_probe
 from kiln.compile.aot_workarounds import (ServedFromCache, as_class, autocast_off, autograd_cache_hits, detached,
                                           private_autograd_cache, serialized, with_autocast)
 from kiln.compile.cache import (CorruptEntryError, KilnCacheWarning, pack_envelope, read_envelope,
@@ -278,6 +279,7 @@ class PrecompiledRegion:
             if header["region_key"] != self.key:
                 raise CorruptEntryError("it belongs to another block source or other compile settings")
             try:
+                isa_probe.wait()  # the load builds CPU kernels' bindings, which ask for its answers
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             except Exception as exc:  # torch's deserializer failing must not stop the job
                 raise CorruptEntryError(f"torch.compiler.load_compiled_function raised "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from kiln.compile import isa_probe
 from kiln.compile.cache import CompileCache
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
@@ -55,6 +56,8 @@ class CompileSession:
         if plugin.precompile and precompile is None:
             warnings.warn("precompile=True, but the compile cache is off (KILN_COMPILE_CACHE=0 or an "
                           "unusable folder), so nothing is precompiled", KilnCompileWarning, stacklevel=4)
+        if kwargs.get("backend", "inductor") == "inductor" and device.type == "cpu" and not plugin.compile_in_background:
+            isa_probe.start()  # the compile or load at the first call waits for it (isa_probe.py)
         if plugin.use_regional_compilation:
             compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
                             recompile=plugin.recompile, precompile=precompile, **kwargs)

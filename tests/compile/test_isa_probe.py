@@ -1,0 +1,39 @@
+"""Inductor's CPU vector-instruction probe asked side by side (kiln/compile/isa_probe.py): the
+answers are Inductor's own, and Inductor finds them cached instead of probing again."""
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import json, subprocess, sys
+from kiln.compile import isa_probe
+from torch._inductor import cpu_vec_isa
+if sys.argv[1] == "kiln":
+    isa_probe.start()
+    isa_probe.wait()
+calls = []
+real = subprocess.run
+subprocess.run = lambda *a, **k: calls.append(a) or real(*a, **k)
+answer = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+print(json.dumps({"isas": answer, "probes_after": len(calls)}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="Inductor probes x86 Linux only")
+def test_probe_gives_inductors_own_answers_and_inductor_does_not_ask_again(private_compile_cache):
+    # The session's Inductor folder: the probe libraries other tests built are reused (gcc is slow).
+    inductor = private_compile_cache / "inductor"
+
+    def run(mode):
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, env=env,
+                             timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    serial, kiln = run("inductor"), run("kiln")
+    assert kiln["isas"] == serial["isas"] and kiln["isas"]  # the same instruction sets, found
+    assert serial["probes_after"] > 0 and kiln["probes_after"] == 0
