@@ -195,3 +195,25 @@ def test_a_warm_variant_without_its_cold_row_is_an_error_not_a_cold_start():
     (result,) = run_rows([Row(model="tiny", workload="train", batch=2, seq=32, method="regional",
                               suite="warm-start", variant="warm")])
     assert "no cold row of this case ran before it" in result["error"]
+
+
+def _startup_row(variant, first_s, t400_s, steady_ms=20.0, **extra):
+    return dict(model="small", variant=variant, first_s=first_s, overhead_s=round(first_s - steady_ms / 1e3, 3),
+                first_from_start_s=first_s + 4, t20_s=5.0, t100_s=7.0, t400_s=t400_s, t500_s=t400_s + 2,
+                steady_ms=steady_ms, backend="inductor", device="cpu", **extra)
+
+
+def test_startup_targets_are_ratios_of_rows_in_the_same_run():
+    from kiln.bench import startup
+
+    rows = [_startup_row("eager", 0.04, 15.0), _startup_row("regional-cold", 18.02, 30.0, ran="jit", traces=1),
+            _startup_row("precompiled-warm", 1.82, 15.0, ran="precompiled", traces=0),
+            _startup_row("background-cold", 0.10, 24.0, ran="precompiled+eager", traces=0, switch_step=900,
+                         t2000_s=60.0)]
+    checks = {c["target"]: (c["value"], c["met"]) for c in startup.target_checks(rows)}
+    assert checks == {"small: precompiled-warm overhead / regional-cold overhead <= 0.1": (0.1, True),
+                      "small: background-cold first step / eager first step <= 2.0": (2.5, False),
+                      "small: background-cold time to 400 steps / regional-cold's <= 0.85": (0.8, True)}
+    table = startup.table(rows)
+    assert "| small | background-cold | 0.10 | 0.08 | 5.00 | 7.00 | 24.00 | 26.00 | 60.00 | 20.0 | precompiled+eager | 0 | 900 |" in table
+    assert "| small | eager | 0.04 | 0.02 | 5.00 | 7.00 | 15.00 | 17.00 | - | 20.0 | - | - | - |" in table
