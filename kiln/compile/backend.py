@@ -60,7 +60,8 @@ class TrackedBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         start = time.perf_counter()
-        isa_probe.wait()  # Inductor's CPU probe, if Kiln started it (isa_probe.py)
+        if isinstance(self.inner, torch._TorchCompileInductorWrapper):
+            isa_probe.wait()  # Inductor's CPU probe, if Kiln started it (isa_probe.py)
         compiled = self.inner(gm, example_inputs)
         nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method")
         self.graphs.append(GraphRecord(len(self.graphs), time.perf_counter() - start, nodes))

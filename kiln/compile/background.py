@@ -138,6 +138,7 @@ class BackgroundCompiler:
         self.own_threads: int | None = None
         self.lowered_threads: int | None = None
         self._made_room = False
+        self._cpu_inductor = False  # a job compiles Inductor CPU code: loading it needs isa_probe's answers
 
     def submit_signature(self, region: Any, module: nn.Module, signature: tuple, digest: str) -> bool:
         """Build the job for one signature of a `PrecompiledRegion` met at `module`, and send it."""
@@ -167,6 +168,7 @@ class BackgroundCompiler:
             self._fail(f"a job could not be sent ({type(exc).__name__}: {exc})")
             return False
         self.submitted.add((job.region, digest))
+        self._cpu_inductor |= _cpu_inductor(job)
         self._make_room()
         return True
 
@@ -212,7 +214,8 @@ class BackgroundCompiler:
             # thread from the first poll on (after step 1, which it would slow down: the import
             # holds the GIL), beside the eager steps, so the switch does not wait for it.
             self._importing = True
-            threading.Thread(target=_import_runtime, name="kiln-import-inductor", daemon=True).start()
+            threading.Thread(target=_import_runtime, args=(self._cpu_inductor,), name="kiln-import-inductor",
+                             daemon=True).start()
         with self._lock:
             if (region, digest) in self.done:
                 return True, self.done[(region, digest)]
@@ -297,15 +300,18 @@ class BackgroundCompiler:
                           KilnFallbackWarning, stacklevel=4)
 
 
-def _import_runtime() -> None:
+def _import_runtime(cpu_inductor: bool = False) -> None:
     try:
         import torch._dynamo.aot_compile  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401
     except Exception:  # an import that fails here fails again, visibly, where it is needed
         return
-    if not torch.cuda.is_available():
-        isa_probe.start()  # on this thread: loading and compiling CPU code wait for it
-        isa_probe.wait()
+    if cpu_inductor:
+        isa_probe.start()  # its threads run on; the Inductor compile or load waits for them
+
+
+def _cpu_inductor(job: Job) -> bool:
+    return job.compile_kwargs.get("backend", "inductor") == "inductor" and job.device.startswith("cpu")
 
 
 def _write_frame(stream, data: bytes) -> None:
@@ -347,6 +353,8 @@ def compile_job(job: Job) -> None:
     from kiln.compile.precompiled import PrecompiledRegion
     from kiln.compile.regions import _region_entry
 
+    if _cpu_inductor(job):
+        isa_probe.start()  # once per helper; the compile waits for it
     cls, forward = _import(job.block_class), _import(job.forward)
     module = pickle.loads(job.skeleton).to_empty(device=job.device)
     with torch.no_grad():

@@ -279,7 +279,8 @@ class PrecompiledRegion:
             if header["region_key"] != self.key:
                 raise CorruptEntryError("it belongs to another block source or other compile settings")
             try:
-                isa_probe.wait()  # the load builds CPU kernels' bindings, which ask for its answers
+                if self.compile_kwargs.get("backend", "inductor") == "inductor":
+                    isa_probe.wait()  # the load builds CPU kernels' bindings, which ask for its answers
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             except Exception as exc:  # torch's deserializer failing must not stop the job
                 raise CorruptEntryError(f"torch.compiler.load_compiled_function raised "
@@ -310,6 +311,8 @@ class PrecompiledRegion:
                 p.grad = None
             hits = autograd_cache_hits()
             private = private_autograd_cache(self.directory / ".aotautograd" / signature_digest(signature))
+            if kw.get("backend", "inductor") == "inductor":
+                isa_probe.wait()
             with as_class(module, self.block_class), private:
                 compiled = torch.compile(entry, **kw).aot_compile(examples)
             if not private.active and autograd_cache_hits() != hits:
