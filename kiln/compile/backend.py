@@ -1,7 +1,8 @@
 """A backend wrapper that counts what the compiler did for one region: graphs built, compiled calls run.
 
-Depends on torch and kiln.compile.isa_probe only. The counters are how Kiln proves compiled code ran (DESIGN.md: wrappers
-and mixed precision can hide it), so every region Kiln compiles goes through `TrackedBackend`.
+Depends on torch and kiln.compile.isa_probe only. The counters are how Kiln proves compiled code
+ran (DESIGN.md: wrappers and mixed precision can hide it), so every region Kiln compiles goes
+through `TrackedBackend`.
 """
 
 from __future__ import annotations

@@ -136,7 +136,6 @@ class BackgroundCompiler:
         # The thread count training had before it made room for the helper, while it runs on one
         # thread fewer (`_make_room`); None otherwise. Signatures record this count, not the lower one.
         self.own_threads: int | None = None
-        self.lowered_threads: int | None = None
         self._made_room = False
         self._cpu_inductor = False  # a job compiles Inductor CPU code: loading it needs isa_probe's answers
 
@@ -186,7 +185,7 @@ class BackgroundCompiler:
         except AttributeError:  # not Linux
             cores = os.cpu_count() or threads
         if threads > 1 and threads >= cores:
-            self.own_threads, self.lowered_threads = threads, threads - 1
+            self.own_threads = threads
             torch.set_num_threads(threads - 1)
             print(f"[kiln] compiling in the background: training runs on {threads - 1} of its {threads} threads "
                   "until the first compiled regions are ready", file=sys.stderr, flush=True)
@@ -203,8 +202,8 @@ class BackgroundCompiler:
         self._restore_threads()
 
     def _restore_threads(self) -> None:
-        own, lowered, self.own_threads, self.lowered_threads = self.own_threads, self.lowered_threads, None, None
-        if own is not None and torch.get_num_threads() == lowered:  # unless the script changed it meanwhile
+        own, self.own_threads = self.own_threads, None
+        if own is not None and torch.get_num_threads() == own - 1:  # unless the script changed it meanwhile
             torch.set_num_threads(own)
 
     def status(self, region: str, digest: str) -> tuple[bool, str | None]:

@@ -6,7 +6,8 @@ support: for each one Inductor builds a probe library and loads it in a new Pyth
 after another (torch 2.13, 2 cores: 2.4 s, most of a 2.9 s precompiled warm start's first step;
 side by side 1.3 s). `start()` asks Inductor the same questions on threads; `wait()` is called
 before Kiln's first compile or load (and imports what the generated code needs meanwhile), so
-Inductor finds its own answers cached instead of asking again. Nothing is changed: the answers are Inductor's, computed by Inductor's code.
+Inductor finds its own answers cached instead of asking again. Nothing is changed: the answers
+are Inductor's, computed by Inductor's code.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ _lock = threading.Lock()
 
 def start() -> None:
     """Start the probe on a thread (once per process; a no-op where Inductor has no such probe).
-    Imports Inductor's C++ side on the calling thread first (about 2.5 s on this CPU, paid by the
-    first CPU compile or load anyway), so no two threads import it at once."""
+    Imports what the probe needs on the calling thread first (the first CPU compile or load would
+    import it anyway), so no two threads import it at once."""
     global _thread
     with _lock:
         if _thread is not None:

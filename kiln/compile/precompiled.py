@@ -279,8 +279,7 @@ class PrecompiledRegion:
             if header["region_key"] != self.key:
                 raise CorruptEntryError("it belongs to another block source or other compile settings")
             try:
-                if self.compile_kwargs.get("backend", "inductor") == "inductor":
-                    isa_probe.wait()  # the load builds CPU kernels' bindings, which ask for its answers
+                self._wait_for_isa_probe()  # the load builds CPU kernels' bindings, which ask for its answers
                 fn = torch.compiler.load_compiled_function(io.BytesIO(payload))
             except Exception as exc:  # torch's deserializer failing must not stop the job
                 raise CorruptEntryError(f"torch.compiler.load_compiled_function raised "
@@ -291,6 +290,12 @@ class PrecompiledRegion:
         self.stats.loaded += 1
         self.stats.load_seconds += time.perf_counter() - start
         return fn
+
+    def _wait_for_isa_probe(self) -> None:
+        """Inductor code, loaded or compiled, needs the CPU probe's answers (isa_probe.py); other
+        backends do not wait for it."""
+        if self.compile_kwargs.get("backend", "inductor") == "inductor":
+            isa_probe.wait()
 
     def _reject(self, path: Path, problem: str) -> None:
         warnings.warn(f"precompiled artifact {path} not used: {problem}; compiling it again "
@@ -311,8 +316,7 @@ class PrecompiledRegion:
                 p.grad = None
             hits = autograd_cache_hits()
             private = private_autograd_cache(self.directory / ".aotautograd" / signature_digest(signature))
-            if kw.get("backend", "inductor") == "inductor":
-                isa_probe.wait()
+            self._wait_for_isa_probe()
             with as_class(module, self.block_class), private:
                 compiled = torch.compile(entry, **kw).aot_compile(examples)
             if not private.active and autograd_cache_hits() != hits:
