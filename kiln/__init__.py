@@ -6,8 +6,8 @@ scripts import (`from accelerate import ...`) are here too.
 
 from kiln.accelerator import Accelerator
 from kiln.buckets import BucketCollator
-from kiln.checkpoint import load_model
-from kiln.checkpoint_integrity import CheckpointCorruptError, CheckpointMismatchError
+from kiln.checkpoint import CheckpointCorruptError, CheckpointMismatchError, load_model
+from kiln.checkpoint.training_state import LoadReport
 from kiln.compat import init_empty_weights
 from kiln.compile.regions import KilnCompileWarning, compile_regions, find_repeated_blocks
 from kiln.compile.report import CompileReport, compile_report
@@ -18,7 +18,6 @@ from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.project import ProjectConfiguration
-from kiln.resume import LoadReport
 from kiln.state import AcceleratorState, DistributedType, PartialState
 from kiln.utils import find_executable_batch_size
 

@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader
 from kiln import collectives
 from kiln.accumulation import GradientAccumulationPlugin, check_steps
 from kiln.arguments import choose_dynamo_plugin, dataloader_settings, env_flag, gradient_state, handler_kwargs
-from kiln.checkpoint import clean_state_dict, save_state_dict
-from kiln.checkpoint_api import CheckpointAPI
+from kiln.checkpoint.api import CheckpointAPI
+from kiln.checkpoint.weights import clean_state_dict, save_state_dict
 from kiln.activation_checkpointing import apply_activation_checkpointing
 from kiln.compile.regions import find_repeated_blocks, select_blocks, uncompile
 from kiln.compile.report import CompileReport

@@ -1,7 +1,7 @@
 """Where a project's files go: `ProjectConfiguration` (Accelerate's fields), automatic checkpoint
 names under `<project_dir>/checkpoints`, the latest complete checkpoint, and pruning to `total_limit`.
 
-Depends on the standard library and kiln.resume's manifest name only; never on the facade.
+Depends on the standard library and kiln.checkpoint.training_state's manifest name only; never on the facade.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.resume import MANIFEST, STAGING_SUFFIX
+from kiln.checkpoint.training_state import MANIFEST, STAGING_SUFFIX
 
 CHECKPOINT_NAME = re.compile(r"^checkpoint_(\d+)$")
 

@@ -54,12 +54,12 @@ def test_a_save_that_crashes_leaves_the_previous_checkpoint_as_the_latest(tmp_pa
     acc.save_state()
     kept = weights(model)
     step(acc, model, optimizer)
-    import kiln.resume
+    import kiln.checkpoint.training_state
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(kiln.resume, "save_state_dict", crash)
+    monkeypatch.setattr(kiln.checkpoint.training_state, "save_state_dict", crash)
     with pytest.raises(OSError, match="disk full"):
         acc.save_state()
     monkeypatch.undo()

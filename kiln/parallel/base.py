@@ -1,6 +1,6 @@
 """The strategy interface, and the strategy for one process (which changes nothing).
 
-Depends on torch, kiln.state, kiln.optim and kiln.sharded_state only.
+Depends on torch, kiln.state, kiln.optim and kiln.checkpoint.sharded only.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from kiln.accumulation import GradientState
+from kiln.checkpoint.sharded import load_dcp
 from kiln.optim import PreparedOptimizer
-from kiln.sharded_state import load_dcp
 from kiln.state import DistributedType
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kiln.accumulation import GradientState
-from kiln.checkpoint import load_state_dict, save_state_dict
+from kiln.checkpoint.weights import load_state_dict, save_state_dict
 from kiln.optim import PreparedOptimizer
 from kiln.parallel.base import Strategy
 from kiln.state import DistributedType

@@ -2,7 +2,7 @@
 gradients and optimizer state live in shards, and checkpoints are written per process with
 torch.distributed.checkpoint.
 
-Depends on torch, kiln.sharded_state and kiln.parallel.base only. The blocks arrive compiled in place; FSDP2's hooks
+Depends on torch, kiln.checkpoint.sharded and kiln.parallel.base only. The blocks arrive compiled in place; FSDP2's hooks
 gather each block's parameters around its compiled forward (DESIGN.md: compile each block, then
 shard each block, then the root).
 """
@@ -17,8 +17,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp
 from kiln.parallel.base import Strategy
-from kiln.sharded_state import load_dcp, load_whole_into_sharded, save_dcp
 from kiln.state import DistributedType
 
 _DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}

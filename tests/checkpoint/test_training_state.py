@@ -151,7 +151,7 @@ def load_into_zero_shards(folder, manifest, num_processes=1):
     import json
 
     from kiln.parallel.base import Strategy
-    from kiln.resume import MANIFEST, load_training_state
+    from kiln.checkpoint.training_state import MANIFEST, load_training_state
 
     class ZeroShards(Strategy):
         name = "deepspeed"
@@ -177,7 +177,7 @@ def _unchanged(before, model):
 
 
 def test_checkpoint_of_another_model_names_names_and_shapes_and_loads_nothing(tmp_path):
-    from kiln.checkpoint_integrity import CheckpointMismatchError
+    from kiln.checkpoint.integrity import CheckpointMismatchError
 
     build(width=24)[0].save_state(tmp_path / "wide")
     acc, counter, model, optimizer, scheduler, loader = build()
@@ -194,7 +194,7 @@ def test_checkpoint_of_another_model_names_names_and_shapes_and_loads_nothing(tm
 
 
 def test_truncated_file_is_named_and_nothing_loads(tmp_path):
-    from kiln.checkpoint_integrity import CheckpointCorruptError
+    from kiln.checkpoint.integrity import CheckpointCorruptError
 
     acc, counter, model, optimizer, scheduler, loader = build()
     acc.save_state(tmp_path / "ckpt")
@@ -208,7 +208,7 @@ def test_truncated_file_is_named_and_nothing_loads(tmp_path):
 
 
 def test_unreadable_file_is_named_and_nothing_loads(tmp_path):
-    from kiln.checkpoint_integrity import CheckpointCorruptError
+    from kiln.checkpoint.integrity import CheckpointCorruptError
 
     acc, counter, model, optimizer, scheduler, loader = build()
     acc.save_state(tmp_path / "ckpt")
@@ -223,7 +223,7 @@ def test_unreadable_file_is_named_and_nothing_loads(tmp_path):
 
 
 def test_optimizer_of_another_shape_is_refused_before_loading(tmp_path):
-    from kiln.checkpoint_integrity import CheckpointMismatchError
+    from kiln.checkpoint.integrity import CheckpointMismatchError
 
     acc, model = Accelerator(), Regressor()
     acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -242,7 +242,7 @@ def test_a_schedule_stepped_at_another_pace_than_saved_is_one_warning(tmp_path):
     import json
 
     from kiln import KilnResumeWarning
-    from kiln.resume import MANIFEST
+    from kiln.checkpoint.training_state import MANIFEST
 
     acc, counter, model, optimizer, scheduler, loader = build()
     acc.save_state(tmp_path / "ckpt")

@@ -2,7 +2,7 @@
 dataloader positions and registered objects, written so that a crash never leaves a checkpoint
 that loads.
 
-Depends on torch, kiln.checkpoint, kiln.checkpoint_integrity, kiln.sharded_state and the strategy
+Depends on torch, kiln.checkpoint's weights, integrity and sharded modules and the strategy
 interface only; never on the facade.
 
 Layout of a checkpoint folder (each process writes its own RNG file; the main process the rest):
@@ -30,11 +30,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kiln.checkpoint import clean_state_dict, load_state_dict, save_state_dict
-from kiln.checkpoint_integrity import check_optimizer, check_sizes, check_weights, file_sizes, read, shapes_of
+from kiln.checkpoint.integrity import check_optimizer, check_sizes, check_weights, file_sizes, read, shapes_of
+from kiln.checkpoint.sharded import saved_weight_shapes
+from kiln.checkpoint.weights import clean_state_dict, load_state_dict, save_state_dict
 from kiln.data import KilnResumeWarning
 from kiln.parallel.base import Strategy
-from kiln.sharded_state import saved_weight_shapes
 
 MANIFEST = "kiln_checkpoint.json"
 FORMAT_VERSION = 2  # 2: the manifest lists every file's size

@@ -1,8 +1,8 @@
 """The checkpoint side of the Accelerator: where a project's files go, save_state/load_state with
 their hooks, automatic checkpoint names, and `save`.
 
-Depends on torch, kiln.project and kiln.resume; `Accelerator` builds on it and provides the prepared
-objects (`_models`, `_optimizers`, ...), the strategy and the process facts it reads.
+Depends on torch, kiln.project and kiln.checkpoint.training_state; `Accelerator` builds on it and
+provides the prepared objects (`_models`, `_optimizers`, ...), the strategy and the process facts it reads.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from kiln.project import ProjectConfiguration, latest_checkpoint, next_checkpoint, prune_checkpoints
 from kiln.data import KilnResumeWarning
-from kiln.resume import LoadReport, load_training_state, save_training_state
+from kiln.checkpoint.training_state import LoadReport, load_training_state, save_training_state
 
 
 class CheckpointAPI:
