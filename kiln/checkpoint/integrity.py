@@ -46,13 +46,15 @@ def check_sizes(folder: Path, sizes: Mapping[str, int]) -> None:
 
 
 def read(path: Path, reader: Callable[[Path], T]) -> T:
-    """`reader(path)`, with any failure turned into an error that names the file."""
+    """`reader(path)`, with any failure turned into an error that names the file and what to do."""
     try:
         return reader(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, CheckpointCorruptError):
         raise
     except Exception as error:  # torch.load, safetensors and json each fail in their own way
-        raise CheckpointCorruptError(f"cannot read {path}: {type(error).__name__}: {error}") from error
+        raise CheckpointCorruptError(f"cannot read {path}: {type(error).__name__}: {error}. The file is damaged "
+                                     "or was not written by a finished save: restore it from another copy, "
+                                     "or load an earlier checkpoint") from error
 
 
 def check_weights(folder: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]],

@@ -1,6 +1,7 @@
 """Model weights on disk: clean keys, safetensors shards, tied weights, atomic writes.
 
-Depends on torch and safetensors only; never imports the facade or the compile package.
+Depends on torch, safetensors and kiln.checkpoint.integrity only; never imports the facade or the
+compile package.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kiln.checkpoint.integrity import read
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -139,26 +142,30 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], folder: Path, max_bytes
 
 
 def load_state_dict(save_directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read what `save_state_dict` wrote (single file, shards or torch pickle), tied names restored."""
+    """Read what `save_state_dict` wrote (single file, shards or torch pickle), tied names restored.
+    A file that cannot be read is a CheckpointCorruptError naming it."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
+    def tied_names(path: Path) -> dict[str, str]:
+        with safe_open(str(path), framework="pt") as handle:
+            return json.loads((handle.metadata() or {}).get("kiln_tied", "{}"))
+
     folder = Path(save_directory)
     if (folder / SAFE_INDEX).is_file():
-        index = json.loads((folder / SAFE_INDEX).read_text())
+        index = read(folder / SAFE_INDEX, lambda path: json.loads(path.read_text()))
         state: dict[str, torch.Tensor] = {}
         for name in sorted(set(index["weight_map"].values())):
             path = folder / name
             if not path.is_file():
                 raise FileNotFoundError(f"shard {path} named in {folder / SAFE_INDEX} is missing")
-            state.update(load_file(str(path)))
+            state.update(read(path, lambda p: load_file(str(p))))
         tied = index["metadata"].get("kiln_tied", {})
     elif (folder / SAFE_WEIGHTS).is_file():
-        state = load_file(str(folder / SAFE_WEIGHTS))
-        with safe_open(str(folder / SAFE_WEIGHTS), framework="pt") as handle:
-            tied = json.loads((handle.metadata() or {}).get("kiln_tied", "{}"))
+        state = read(folder / SAFE_WEIGHTS, lambda p: load_file(str(p)))
+        tied = read(folder / SAFE_WEIGHTS, tied_names)
     elif (folder / TORCH_WEIGHTS).is_file():
-        return torch.load(folder / TORCH_WEIGHTS, map_location="cpu", weights_only=True)
+        return read(folder / TORCH_WEIGHTS, lambda p: torch.load(p, map_location="cpu", weights_only=True))
     else:
         raise FileNotFoundError(f"no weights in {folder}: expected {SAFE_WEIGHTS}, {SAFE_INDEX} or {TORCH_WEIGHTS}")
     for alias, source in tied.items():
@@ -167,7 +174,8 @@ def load_state_dict(save_directory: str | os.PathLike) -> dict[str, torch.Tensor
 
 
 def load_model(model: nn.Module, save_directory: str | os.PathLike, strict: bool = True) -> nn.Module:
-    """Load weights written by `Accelerator.save_model` into a plain model.
+    """Load weights written by `Accelerator.save_model` into a plain model; a damaged weights file
+    is a `CheckpointCorruptError` that names it.
 
     >>> load_model(MyModel(), "out/")
     """

@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kiln import Accelerator, TorchDynamoPlugin, load_model
+from kiln import Accelerator, CheckpointCorruptError, TorchDynamoPlugin, load_model
 from kiln.checkpoint import clean_key, load_state_dict, parse_size, save_state_dict
 from toy_models import EncoderDecoder, tiny_gpt2
 
@@ -60,6 +60,24 @@ def test_missing_shard_is_named(tmp_path):
 def test_no_weights_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no weights in"):
         load_state_dict(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["header too large", "cut short", "pickle zeroed", "shard cut short"])
+def test_load_model_names_a_damaged_weights_file_and_says_what_to_do(tmp_path, damage):
+    model = EncoderDecoder(width=32)
+    if damage == "shard cut short":
+        save_state_dict(model.state_dict(), tmp_path, max_shard_size="8KB")
+        victim = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    else:
+        Accelerator().save_model(model, tmp_path, safe_serialization=not damage.startswith("pickle"))
+        victim = tmp_path / ("pytorch_model.bin" if damage.startswith("pickle") else "model.safetensors")
+    data = victim.read_bytes()
+    # safetensors reads a huge header size as "header too large", a zeroed file as an empty header:
+    # must come out as the file's name and what to do, not the library's bare words.
+    victim.write_bytes(data[:len(data) // 2] if "cut short" in damage else b"\xff" * 8 + data[8:]
+                       if damage == "header too large" else b"\0" * len(data))
+    with pytest.raises(CheckpointCorruptError, match=rf"cannot read {victim}: .*restore it from another copy"):
+        load_model(EncoderDecoder(width=32), tmp_path)
 
 
 def test_torch_pickle_format_round_trips(tmp_path):
