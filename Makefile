@@ -33,12 +33,16 @@ test: $(DEV_STAMP)
 test-fast: $(DEV_STAMP)
 	$(PY) -m pytest tests -q -m "not inductor"
 
-# Every benchmark result committed under benchmarks/results (the CPU ones; about 21 minutes on 2 cores).
+# Every benchmark result committed under benchmarks/results (the CPU ones; about 37 minutes on 2 cores).
 bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --out benchmarks/results --name kiln_bench_cpu
 	$(VENV)/bin/kiln bench --models small --methods eager,full,regional,accelerate-regional --batch-sizes 4 \
 		--repeat 3 --out benchmarks/results --name kiln_bench_cpu_repeat3
 	$(VENV)/bin/kiln bench --plan warm-start --out benchmarks/results --name kiln_bench_warm_start_cpu
+	$(VENV)/bin/kiln bench --plan warm-start --variants cold,warm,cold-precompile,warm-precompiled,warm-precompiled-copy \
+		--out benchmarks/results --name kiln_bench_precompiled_cpu
+	$(VENV)/bin/kiln bench --plan startup --out benchmarks/results --name kiln_bench_startup_cpu
+	$(VENV)/bin/kiln bench --plan local-processes --out benchmarks/results --name kiln_bench_local_processes_cpu
 	$(VENV)/bin/kiln bench --plan buckets --out benchmarks/results --name kiln_bench_buckets_cpu
 
 clean:

@@ -1,14 +1,13 @@
-"""One benchmark row, run in its own process: build a Llama-style model, compile it one way, time it
-(the compile suite; the warm-start and buckets suites measure in their own modules).
+"""The compile suite's measurement of one row (build a Llama-style model, compile it one way, time it),
+and the helpers every suite's child uses: the row's model, peak memory, Dynamo's counts.
 
 Depends on torch, transformers, kiln.compile and (for its two methods only) accelerate; never on
-Kiln's facade or a distributed strategy. Run as `python -m kiln.bench.measure '<row json>'`.
+Kiln's facade, a distributed strategy or another suite (they import this module, not the reverse).
+The child process's entry point is kiln.bench.child.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import time
@@ -234,39 +233,3 @@ def peak_memory_mib(cuda: bool) -> float:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / 2**(20 if sys.platform == "darwin" else 10)
-
-
-def suite_measure(suite: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """The child-side measurement of a suite."""
-    if suite == "warm-start":
-        from kiln.bench.warm_start import measure as warm_start_measure
-
-        return warm_start_measure
-    if suite == "startup":
-        from kiln.bench.startup import measure as startup_measure
-
-        return startup_measure
-    if suite == "buckets":
-        from kiln.bench.buckets import measure as buckets_measure
-
-        return buckets_measure
-    return measure
-
-
-def main(argv: list[str]) -> int:
-    """Measure the row given as JSON; print the result as the last stdout line (exit 1 on error)."""
-    row = json.loads(argv[0])
-    try:
-        result = suite_measure(row.get("suite", "compile"))(row)
-    except Exception as exc:  # the parent still gets a line, with the reason
-        import traceback
-
-        traceback.print_exc()
-        result = dict(row, error=f"{type(exc).__name__}: {exc}"[:2000])
-    print("KILN_BENCH_RESULT " + json.dumps(result), flush=True)
-    return 1 if "error" in result else 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(main(sys.argv[1:]))

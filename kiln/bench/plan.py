@@ -5,8 +5,9 @@ Depends on the standard library only (the parent process plans rows without impo
 A plan is a list of groups; each group is a cross product of models x workloads x batch sizes x
 methods (x compile modes, x variants), so a plan can be small where a full cross product would not
 fit the time. A group belongs to a suite: `compile` (cold compile and steady steps, kiln.bench.measure),
-`warm-start` (kiln.bench.warm_start), `buckets` (kiln.bench.buckets) or `startup`
-(kiln.bench.startup); the variants are the suite's.
+`warm-start` (kiln.bench.warm_start), `buckets` (kiln.bench.buckets), `startup`
+(kiln.bench.startup) or `local-processes` (kiln.bench.local_processes: the start-up job on 1 and 2
+local processes); the variants are the suite's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ SUITE_VARIANTS = {
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional"),
+    "local-processes": ("eager", "regional-cold", "precompiled-cold"),
 }
 
 
@@ -70,13 +72,15 @@ class Row:
     threads: int | None = None
     suite: str = "compile"
     variant: str = ""
+    processes: int = 1  # local processes started by torch.distributed.run (local-processes suite)
 
     @property
     def label(self) -> str:
         """How progress lines and tables name the row: 'regional train b4', plus a non-default mode,
         or the suite and variant: 'warm-start warm small train b4'."""
         if self.suite != "compile":
-            return f"{self.suite} {self.variant} {self.model} {self.workload} b{self.batch}"
+            processes = f" x{self.processes} processes" if self.processes > 1 else ""
+            return f"{self.suite} {self.variant} {self.model} {self.workload} b{self.batch}{processes}"
         mode = "" if self.mode == "default" else f" [{self.mode}]"
         return f"{self.method}{mode} {self.model} {self.workload} b{self.batch}"
 
@@ -99,12 +103,13 @@ class Group:
     suite: str = "compile"
     variants: list[str] = field(default_factory=lambda: [""])
     backend: str | None = None  # the group's default backend, where the command line names none
+    processes: list[int] = field(default_factory=lambda: [1])
 
     def rows(self, backend: str | None = None, **common: Any) -> list[Row]:
         backend = backend or self.backend or "inductor"
         return [Row(model=m, workload=w, batch=b, seq=self.seq[w], method=method, mode=mode,
-                    steps=self.steps, suite=self.suite, variant=variant, backend=backend, **common)
-                for m in self.models for w in self.workloads for b in self.batches
+                    steps=self.steps, suite=self.suite, variant=variant, backend=backend, processes=n, **common)
+                for n in self.processes for m in self.models for w in self.workloads for b in self.batches
                 for method in self.methods for mode in self.modes for variant in self.variants
                 if not (method == "eager" and mode != "default")]
 
@@ -140,6 +145,13 @@ PLANS: dict[str, list[Group]] = {
     "startup": [
         Group(["small", "demo"], ["train"], [4], ["regional"], suite="startup",
               variants=list(SUITE_VARIANTS["startup"]), steps=500),
+    ],
+    # Cold starts of 1 and 2 local processes (torch.distributed.run): does each region compile once
+    # per machine? The start-up job's first 20 steps, eager, JIT (every process compiles) and
+    # precompiled (the first process compiles, the other loads); about 3 minutes on 2 cores.
+    "local-processes": [
+        Group(["small"], ["train"], [4], ["regional"], suite="local-processes",
+              variants=list(SUITE_VARIANTS["local-processes"]), steps=20, processes=[1, 2]),
     ],
     # Shape buckets over one epoch of variable-length batches; aot_eager unless --backend says
     # otherwise (Inductor builds up to 8 graphs with gcc here: minutes per row).
@@ -179,10 +191,12 @@ def build_rows(
     steps: int | None = None,
     threads: int | None = None,
     variants: Iterable[str] | None = None,
+    processes: Iterable[int] | None = None,
     with_accelerate: bool = True,
 ) -> list[Row]:
     """The rows of `plan`, with any list given here replacing that list in every group (variants
-    only in groups of a suite that has them). `backend` None: each group's own, else inductor.
+    only in groups of a suite that has them; process counts only in the local-processes suite's).
+    `backend` None: each group's own, else inductor.
 
     Accelerate's methods are dropped when `with_accelerate` is False (the package is not installed).
     Duplicates (two groups naming the same row) are measured once.
@@ -202,6 +216,7 @@ def build_rows(
             seq={w: seq for w in WORKLOADS} if seq else group.seq,
             steps=steps or group.steps,
             variants=[v for v in variants if v in SUITE_VARIANTS[group.suite]] if variants else group.variants,
+            processes=list(processes) if processes and group.suite == "local-processes" else group.processes,
         )
         for row in group.rows(backend=backend, device=device, dtype=dtype, threads=threads):
             if row.method in ACCELERATE_METHODS and not with_accelerate:

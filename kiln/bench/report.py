@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kiln.bench import buckets, startup, warm_start
+from kiln.bench import buckets, local_processes, startup, warm_start
 from kiln.bench.plan import METHODS
 
 # The targets, checked on rows of the same run: same model, workload, batch and mode.
@@ -270,6 +270,10 @@ def write_results(rows: list[dict[str, Any]], out: Path, name: str, plots: bool 
         checks += startup.target_checks(startup_rows)
         if plots and pyplot() is not None:
             files += startup.plot(startup_rows, stem, pyplot())
+    local_rows = [r for r in rows if r.get("suite") == "local-processes"]
+    if local_rows:
+        sections.append(local_processes.render(local_rows))
+        checks += local_processes.target_checks(local_rows)
     bucket_rows = [r for r in rows if r.get("suite") == "buckets"]
     if bucket_rows:
         sections.append(buckets.render(bucket_rows))

@@ -1,6 +1,7 @@
 """The benchmark's parent process: one fresh interpreter per row, an empty compiler cache for each.
 
-Depends on the standard library and kiln.bench.plan; never imports torch (the children do).
+Depends on the standard library, kiln.bench.plan and kiln.bench.child's result line, and on the
+suite modules for their parent-side steps; never imports torch (the children do).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from kiln.bench.child import RESULT_PREFIX
 from kiln.bench.plan import Row
 
-RESULT_PREFIX = "KILN_BENCH_RESULT "
 # Below this many seconds of budget a row is not started: process start alone takes 5-15 s.
 MIN_ROW_S = 20.0
 KILN_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the kiln package
@@ -52,6 +53,8 @@ def run_rows(
                 timeout_s = row_timeout_s if left is None else min(row_timeout_s, left)
                 if row.suite in ("warm-start", "startup"):
                     result = _run_warm_start_row(row, index, workspace, colds, timeout_s)
+                elif row.suite == "local-processes":
+                    result = _run_local_processes_row(row, timeout_s)
                 else:
                     result = run_row(row, timeout_s=timeout_s)
             results.append(result)
@@ -97,14 +100,31 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
     return _run_child(row, caches, timeout_s)
 
 
-def _run_child(row: Row, caches: dict[str, str], timeout_s: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", "kiln.bench.measure", json.dumps(row.as_dict())]
+def _run_local_processes_row(row: Row, timeout_s: float) -> dict[str, Any]:
+    """A local-processes row: its processes under torch.distributed.run, from empty Kiln and Inductor
+    folders, with the CPU-seconds the whole process tree used."""
+    from kiln.bench import local_processes
+
+    with empty_compiler_caches("kiln_bench_local_processes_") as caches:
+        caches["KILN_COMPILE_CACHE_DIR"] = str(Path(caches["TORCHINDUCTOR_CACHE_DIR"]).parent / "kiln")
+        before = local_processes.children_cpu_s()
+        result = _run_child(row, caches, timeout_s, command=local_processes.command(row.as_dict()),
+                            parse=lambda stdout: local_processes.combine(stdout, row.as_dict()))
+        result["cpu_s"] = round(local_processes.children_cpu_s() - before, 2)
+    return result
+
+
+def _run_child(row: Row, caches: dict[str, str], timeout_s: float, command: list[str] | None = None,
+               parse: Callable[[str], dict[str, Any] | None] | None = None) -> dict[str, Any]:
+    """The row measured by `command` (by default one child process) with `caches` in its environment."""
+    command = command or [sys.executable, "-m", "kiln.bench.child", json.dumps(row.as_dict())]
     env = {k: v for k, v in os.environ.items()
            if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") and not k.startswith("KILN_")}
     env.update(caches)
     # The child measures the kiln this process runs, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(KILN_ROOT), os.environ.get("PYTHONPATH")) if p)
-    return run_measuring_process(command, row.as_dict(), env=env, timeout_s=timeout_s, device=row.device)
+    return run_measuring_process(command, row.as_dict(), env=env, timeout_s=timeout_s, device=row.device,
+                                 parse=parse)
 
 
 @contextlib.contextmanager
@@ -122,7 +142,7 @@ def run_measuring_process(command: list[str], fallback: dict[str, Any], *, env: 
                           device: str, parse: Callable[[str], dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """Run one measuring child: its result row (read from stdout by `parse`), or `fallback` with
     the reason there is none; adds the process's wall seconds and the load other processes put on
-    the CPU just before (shared by `kiln bench` and the scripts in benchmarks/)."""
+    the CPU just before."""
     busy = busy_cores() if device == "cpu" else None
     start = time.perf_counter()
     try:
@@ -182,9 +202,10 @@ def progress_tail(result: dict[str, Any]) -> str:
     note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
     suite = result.get("suite", "compile")
     if suite != "compile":
-        from kiln.bench import buckets, startup, warm_start
+        from kiln.bench import buckets, local_processes, startup, warm_start
 
-        module = {"warm-start": warm_start, "startup": startup}.get(suite, buckets)
+        modules = {"warm-start": warm_start, "startup": startup, "local-processes": local_processes}
+        module = modules.get(suite, buckets)
         return f"{head}  {module.progress(result)}{note}"
     return (f"{head}  compile {result['compile_s']:.1f} s, steady {result['steady_ms']:.2f} ms, "
             f"peak {result['peak_mib']:.0f} MiB{note}")

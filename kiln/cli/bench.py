@@ -1,5 +1,6 @@
 """`kiln bench`: every benchmark Kiln publishes, as plans: the compile benchmark (eager, full, regional;
-Kiln's and Accelerate's) by model and batch, warm starts (`--plan warm-start`) and shape buckets
+Kiln's and Accelerate's) by model and batch, warm starts (`--plan warm-start`), start-up of whole jobs
+(`--plan startup`), cold starts of local processes (`--plan local-processes`) and shape buckets
 (`--plan buckets`).
 
 Depends on kiln.bench only; never on the facade.
@@ -33,7 +34,9 @@ def add_parser(commands: Any) -> None:
                     "default is `gpu` (1B, 3B, 8B; budget it with --budget). `--plan warm-start`: the first "
                     "training step of fresh processes whose Kiln cache folder holds nothing, part or all of "
                     "a cold run's (about 2 minutes); `--plan buckets`: recompiles and time over one epoch of "
-                    "variable-length batches with and without shape buckets (about a minute, aot_eager).")
+                    "variable-length batches with and without shape buckets (about a minute, aot_eager); "
+                    "`--plan local-processes`: cold starts of 1 and 2 local processes, CPU-seconds of the "
+                    "whole process tree (about 3 minutes).")
     parser.add_argument("--plan", choices=list(PLANS), default=None,
                         help="what to measure (default: gpu on a CUDA device, else cpu)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -52,6 +55,8 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--seq", type=int, default=None, help="sequence length for every row")
     parser.add_argument("--steps", type=int, default=None, help="steady steps timed per row (the median is kept)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--processes", type=_int_list, default=None,
+                        help="comma list of local process counts replacing the local-processes plan's (1,2)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure every row N times, round-robin, each in a fresh process; the table "
                              "shows the median and the spread (the noise between processes)")
@@ -116,10 +121,15 @@ def plan_rows(args: argparse.Namespace, device: str, with_accelerate: bool) -> l
             raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.batch_sizes and min(args.batch_sizes) < 1:
         raise ValueError(f"batch sizes must be at least 1, got {args.batch_sizes}")
+    if args.processes:
+        if "local-processes" not in {group.suite for group in PLANS[args.plan]}:
+            raise ValueError(f"--processes applies to the local-processes plan, not to plan {args.plan}")
+        if min(args.processes) < 1:
+            raise ValueError(f"process counts must be at least 1, got {args.processes}")
     return build_rows(args.plan, device=device, backend=args.backend, models=args.models,
                       workloads=args.workloads, batches=args.batch_sizes, methods=args.methods,
                       modes=args.modes, seq=args.seq, steps=args.steps, threads=args.threads,
-                      variants=args.variants, with_accelerate=with_accelerate)
+                      variants=args.variants, processes=args.processes, with_accelerate=with_accelerate)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -217,3 +217,39 @@ def test_startup_targets_are_ratios_of_rows_in_the_same_run():
     table = startup.table(rows)
     assert "| small | background-cold | 0.10 | 0.08 | 5.00 | 7.00 | 24.00 | 26.00 | 60.00 | 20.0 | precompiled+eager | 0 | 900 |" in table
     assert "| small | eager | 0.04 | 0.02 | 5.00 | 7.00 | 15.00 | 17.00 | - | 20.0 | - | - | - |" in table
+
+
+@pytest.mark.multiprocess
+def test_local_processes_plan_launches_every_process_and_counts_the_whole_trees_cpu(tmp_path, capsys):
+    status = main(["bench", "--device", "cpu", "--plan", "local-processes", "--models", "tiny", "--backend",
+                   "aot_eager", "--steps", "2", "--processes", "2", "--variants", "precompiled-cold", "--no-plots",
+                   "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    (row,) = read_jsonl(tmp_path / "kiln_bench_local-processes.jsonl")
+    assert (row["processes"], row["variant"], row["ran"]) == (2, "precompiled-cold", "precompiled")
+    assert sorted(row["traces"]) == [0, 1] and sorted(row["loaded"]) == [0, 1]  # one compiled, one loaded
+    assert row["cpu_s"] > row["first_s"] > 0  # the launcher's and both workers' CPU time
+    assert "| tiny | precompiled-cold | 2 |" in (tmp_path / "kiln_bench_local-processes.md").read_text()
+
+
+def test_local_processes_targets_subtract_the_eager_rows_cpu_at_the_same_process_count():
+    from kiln.bench import local_processes
+
+    def row(variant, processes, cpu_s, first_s):
+        return dict(model="small", variant=variant, processes=processes, cpu_s=cpu_s, first_s=first_s,
+                    process_s=cpu_s / 2, ran=None if variant == "eager" else "jit", traces=[1] * processes)
+
+    rows = [row("eager", 1, 9.0, 0.04), row("regional-cold", 1, 39.0, 17.0), row("precompiled-cold", 1, 39.0, 17.0),
+            row("eager", 2, 15.0, 0.06), row("regional-cold", 2, 54.0, 20.0), row("precompiled-cold", 2, 60.0, 21.0)]
+    checks = {c["target"]: (c["value"], c["met"]) for c in local_processes.target_checks(rows)}
+    assert checks == {
+        "small: regional-cold compile CPU-seconds, 2 processes / 1 process": (1.3, None),
+        "small: precompiled-cold compile CPU-seconds, 2 processes / 1 process <= 1.3": (1.5, False),
+        "small: 2 processes, precompiled-cold first step / regional-cold's <= 1.0": (1.05, False)}
+    assert "| small | precompiled-cold | 2 | 30.0 | 60.0 | 45.0 | 21.00 | jit | [1, 1] |" in local_processes.table(rows)
+
+
+def test_processes_is_refused_outside_the_local_processes_plan(capsys):
+    assert main(["bench", "--device", "cpu", "--plan", "tiny", "--processes", "2", "--list"]) == 2
+    assert "--processes applies to the local-processes plan" in capsys.readouterr().err
