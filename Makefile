@@ -17,9 +17,12 @@ $(RUN_STAMP): pyproject.toml requirements.txt | $(PY)
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $@
 
-# The tests and benchmarks add pytest, Accelerate, matplotlib and DeepSpeed.
+# The tests and benchmarks add pytest, Accelerate, matplotlib and DeepSpeed. DeepSpeed's CPU
+# shared-memory op is built here (g++, about a minute, cached in ~/.cache/torch_extensions) rather
+# than inside the first DeepSpeed test.
 $(DEV_STAMP): $(RUN_STAMP) requirements-dev.txt
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 	touch $@
 
 setup: $(DEV_STAMP)
@@ -27,11 +30,19 @@ setup: $(DEV_STAMP)
 demo: $(RUN_STAMP)
 	$(PY) examples/train_lm.py
 
-test: $(DEV_STAMP)
-	$(PY) -m pytest tests -q
+# Parallel workers, one per core (at most 4), each taking whole modules (--dist loadscope), so a
+# module fixture (a shared launch) is made once. The serial tests (they need the machine to
+# themselves) run afterwards, alone.
+WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope
 
+test: $(DEV_STAMP)
+	$(PYTEST_PARALLEL) -m "not serial"
+	$(PY) -m pytest tests -q -m serial
+
+# The inner loop: no real Inductor compile, no launch (about 2 minutes on 2 cores).
 test-fast: $(DEV_STAMP)
-	$(PY) -m pytest tests -q -m "not inductor"
+	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial"
 
 # Every benchmark result committed under benchmarks/results (the CPU ones; about 37 minutes on 2 cores).
 bench: $(DEV_STAMP)

@@ -11,6 +11,23 @@ for _name in list(os.environ):
     if _name.startswith("KILN_") or _name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         del os.environ[_name]
 
+# Under pytest-xdist the workers share the cores: each runs torch (and what it starts) on one
+# intra-op thread, since an OpenMP thread whose core another process holds stalls the others at
+# every barrier (a 2-thread step 10-60x slower on 2 cores beside a busy process, torch 2.13).
+PARALLEL_WORKER = os.environ.get("PYTEST_XDIST_WORKER") is not None
+if PARALLEL_WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The launches and real compiles first, the rest in collection order: parallel workers then
+    meet the long tests while plenty of short ones are left to even out the finish."""
+    def long_running(item):
+        return item.get_closest_marker("multiprocess") is not None or item.get_closest_marker("inductor") is not None
+
+    items.sort(key=lambda item: not long_running(item))
+
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
@@ -25,8 +42,11 @@ def fresh_dynamo():
 @pytest.fixture(autouse=True, scope="session")
 def private_compile_cache(tmp_path_factory):
     """Kiln's warm-start cache (and Inductor's, which it points at) live in a folder of this test
-    session, never in the user's ~/.cache."""
-    folder = tmp_path_factory.mktemp("kiln-compile-cache")
+    run, never in the user's ~/.cache; parallel workers share it (the run's folder above theirs),
+    so a kernel one worker built is there for the others (Inductor writes its entries atomically)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if PARALLEL_WORKER else base) / "kiln-compile-cache"
+    folder.mkdir(exist_ok=True)
     os.environ["KILN_COMPILE_CACHE_DIR"] = str(folder)
     yield folder
 

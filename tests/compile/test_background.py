@@ -48,6 +48,8 @@ def _step(model, optimizer, step, acc=None):
     return loss.item()
 
 
+# Alone on the machine: the helper needs a core of its own to finish while training steps run.
+@pytest.mark.serial
 def test_training_runs_eagerly_then_switches_to_the_helpers_precompiled_code(tmp_path):
     threads = torch.get_num_threads()
     acc, model, optimizer, reference = _prepared(tmp_path)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.multiprocess  # two script runs at a time
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "tests/examples"
 
