@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_strategies import free_port
+from local_launch import free_port
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve().parent

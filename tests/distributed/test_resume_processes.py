@@ -3,6 +3,8 @@ checkpoints) and FSDP2 (DCP shards, read as whole weights on one process and res
 weights on two), and DeepSpeed ZeRO-3 2 -> 3 (through DeepSpeed's universal checkpoint). The
 remaining losses and the final weights equal the uninterrupted run's."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -32,12 +34,35 @@ def assert_continues(whole, resumed, whole_weights, resumed_weights):
 # DDP: batches dealt per process (3 each on 2 processes, 6 on one: the same global batch of 6), a
 # constant rate (a prepared scheduler's pace follows the number of processes; FSDP2 below covers
 # schedules). FSDP2: split batches, whose scheduler ticks once per step on any number of processes.
-@pytest.mark.parametrize("strategy", [[], ["--fsdp", "--split-batches"]], ids=["ddp", "fsdp2"])
-def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, strategy):
-    common = ["--epochs", "2", "--shuffle", "--stateful", *strategy] + ([] if strategy else ["--constant-lr"])
-    # Uninterrupted, but for a save after step 1 (which changes nothing), which the run on 1 process resumes.
-    whole = run_worker(tmp_path, 2, *common, "--save-at", "1", "--keep-training",
-                       "--save-weights", str(tmp_path / "whole.pt"))
+STRATEGIES = {"ddp": ["--constant-lr"], "fsdp2": ["--fsdp", "--split-batches"]}
+
+
+def common_args(strategy):
+    return ["--epochs", "2", "--shuffle", "--stateful", *STRATEGIES[strategy]]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Per strategy: a 2-process run, uninterrupted but for a save after step 1 (which changes
+    nothing), its folder holding that checkpoint (ckpt/) and the final weights (whole.pt); made once."""
+    runs = {}
+
+    def run(strategy):
+        if strategy not in runs:
+            folder = tmp_path_factory.mktemp(f"whole_{strategy}")
+            result = run_worker(folder, 2, *common_args(strategy), "--save-at", "1", "--keep-training",
+                                "--save-weights", str(folder / "whole.pt"))
+            runs[strategy] = (result, folder)
+        return runs[strategy]
+
+    return run
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, strategy, uninterrupted):
+    common = common_args(strategy)
+    whole, saved = uninterrupted(strategy)
+    shutil.copytree(saved, tmp_path, dirs_exist_ok=True)  # the checkpoint the run on 1 process resumes
     assert len(whole["losses"]) == 4
 
     fewer = run_worker(tmp_path, 1, *common, "--resume-from", str(tmp_path / "ckpt"),
@@ -49,11 +74,11 @@ def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, 
     assert_continues(whole, fewer, tmp_path / "whole.pt", tmp_path / "fewer.pt")
 
     more = resume_across(tmp_path, 1, 2, common)
-    assert more["distributed_type"] == ("FSDP" if strategy else "MULTI_CPU")
+    assert more["distributed_type"] == ("FSDP" if strategy == "fsdp2" else "MULTI_CPU")
     assert more["load_report"]["rng_restored"] == [0] and more["load_report"]["rng_derived"] == [1]
     assert more["checksums"][0] == more["checksums"][1]
     assert_continues(whole, more, tmp_path / "whole.pt", tmp_path / "save1/resumed.pt")
-    if strategy:  # two processes wrote shards, one read them whole; one wrote whole files, two sharded them
+    if strategy == "fsdp2":  # two processes wrote shards, one read them whole; one wrote whole files, two sharded them
         assert (tmp_path / "ckpt/sharded_model_0/.metadata").is_file()
         assert (tmp_path / "save1/ckpt/model_0/model.safetensors").is_file()
 
@@ -61,25 +86,19 @@ def test_resume_on_another_number_of_processes_continues_the_same_run(tmp_path, 
 def run_failing(tmp_path, processes, *args):
     """Start the worker as run_worker does, expecting it to fail; returns what it printed."""
     import os
-    import subprocess
-    import sys
 
-    from test_strategies import HERE, ROOT, free_port
+    from test_strategies import ROOT, start
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
     env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, str(HERE / "train_worker.py"), "--out", str(tmp_path / "never.json"), *args]
-    if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", *command[1:]]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    done = start(processes, "--out", str(tmp_path / "never.json"), *args, env=env, timeout=300)
     assert done.returncode != 0 and not (tmp_path / "never.json").exists()
     return done.stdout + done.stderr
 
 
-def test_damaged_or_foreign_fsdp2_checkpoints_are_named_errors(tmp_path):
-    common = ["--epochs", "2", "--shuffle", "--stateful", "--fsdp", "--split-batches"]
-    run_worker(tmp_path, 2, *common, "--save-at", "1")
+def test_damaged_or_foreign_fsdp2_checkpoints_are_named_errors(tmp_path, uninterrupted):
+    common = common_args("fsdp2")
+    shutil.copytree(uninterrupted("fsdp2")[1] / "ckpt", tmp_path / "ckpt")  # a copy to damage
     shards = tmp_path / "ckpt/sharded_model_0"
     other = run_failing(tmp_path, 1, *common, "--model", "llama", "--resume-from", str(tmp_path / "ckpt"))
     assert "CheckpointMismatchError" in other and "missing from the checkpoint: model.embed_tokens.weight" in other

@@ -1,37 +1,39 @@
-"""Two processes over gloo, started by torch.distributed.run: DDP, FSDP2 and DeepSpeed ZeRO with
-regional compile, compared against one process on the same global batch, and resumed from checkpoints."""
+"""Two processes over gloo, started as a launcher starts them (local_launch.py): DDP, FSDP2 and
+DeepSpeed ZeRO with regional compile, compared against one process on the same global batch, and
+resumed from checkpoints."""
 
 import json
 import os
-import socket
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from local_launch import launch
+
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_worker(tmp_path, processes, *args):
+def run_worker(tmp_path, processes, *args, env=None):
+    """The worker's result; `env` (default: this process's) less any KILN_ setting but the cache folder."""
     out = tmp_path / f"result_{processes}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
+    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
     env["PYTHONPATH"] = str(ROOT)
-    command = [sys.executable, str(HERE / "train_worker.py"), "--out", str(out), *args]
-    if processes > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}",
-                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", *command[1:]]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = start(processes, "--out", str(out), *args, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(out.read_text())
+
+
+def start(processes, *args, env, timeout):
+    """train_worker.py with `args`: one process, or a group of `processes` (local_launch.py)."""
+    command = [str(HERE / "train_worker.py"), *args]
+    if processes > 1:
+        return launch(command, processes, env=env, timeout=timeout)
+    return subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +75,14 @@ def test_gather_for_metrics_returns_exactly_the_dataset(shared_run, stream):
 
 
 @pytest.mark.parametrize("stateful", [False, True])
-def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, shared_run, stateful):
+def test_resume_in_a_fresh_launch_continues_the_same_losses(tmp_path, stateful):
     common = ["--epochs", "2", "--shuffle"] + (["--stateful"] if stateful else [])
-    whole = shared_run(2, "--epochs", "2", "--shuffle")  # uninterrupted: the same with or without --stateful
+    # Uninterrupted, but for a save after step 1 (which changes nothing), which a fresh launch resumes
+    # (one launch fewer than stopping a second run at the save; test_restarts kills runs for real).
+    whole = run_worker(tmp_path, 2, *common, "--save-at", "1", "--keep-training")
     assert len(whole["losses"]) == 4
-    first = run_worker(tmp_path, 2, *common, "--save-at", "1")
     assert (tmp_path / "ckpt/kiln_checkpoint.json").is_file()
     resumed = run_worker(tmp_path, 2, *common, "--resume-from", str(tmp_path / "ckpt"))
-    assert first["losses"] == whole["losses"][:1]
     assert len(resumed["losses"]) == 3
     for a, b in zip(resumed["losses"], whole["losses"][1:]):
         assert abs(a - b) < 1e-5, (resumed["losses"], whole["losses"])
@@ -107,18 +109,27 @@ def test_fsdp2_regional_compile_matches_one_process(tmp_path, shared_run, precis
         assert abs(sharded["checksums"][0] - single["checksums"][0]) < 1e-3
 
 
+@pytest.fixture(scope="module")
+def precompiled_by_one_process(tmp_path_factory):
+    """A cache folder in which one process wrote its precompiled artifacts (bf16, batch 6)."""
+    folder = tmp_path_factory.mktemp("precompiled")
+    env = dict(os.environ, KILN_COMPILE_CACHE_DIR=str(folder / "cache"))
+    run_worker(folder, 1, "--precision", "bf16", "--precompile", env=env)
+    return folder / "cache"
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_precompiled_regions_in_bf16_train_like_jit_under_ddp_and_fsdp2(tmp_path, shared_run, strategy,
-                                                                         monkeypatch):
-    # One process writes artifacts (batch 6), then two processes start from the same folder: their
-    # batch of 3 is a new signature, compiled by one of them and loaded by the other, beside the
+                                                                         precompiled_by_one_process):
+    # One process writes artifacts (batch 6), then two processes start from (a copy of) that folder:
+    # their batch of 3 is a new signature, compiled by one of them and loaded by the other, beside the
     # Inductor caches of the first run (which once served batch-6 code: precompiled.py). The hooks
     # of DDP and FSDP2 run around the precompiled forward.
-    monkeypatch.setenv("KILN_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    shutil.copytree(precompiled_by_one_process, tmp_path / "cache", symlinks=True)
     flags = ["--precision", "bf16", *(["--fsdp"] if strategy == "fsdp2" else [])]
     single = shared_run(1, "--precision", "bf16")
-    run_worker(tmp_path, 1, "--precision", "bf16", "--precompile")
-    double = run_worker(tmp_path, 2, *flags, "--precompile")
+    env = dict(os.environ, KILN_COMPILE_CACHE_DIR=str(tmp_path / "cache"))
+    double = run_worker(tmp_path, 2, *flags, "--precompile", env=env)
     for a, b in zip(single["losses"], double["losses"]):
         assert abs(a - b) <= 2e-2 * max(1.0, abs(a)), (single["losses"], double["losses"])
     assert all(n > 0 for n in double["precompiled_calls"]), double["precompile_notes"]  # ran on every rank
@@ -128,8 +139,7 @@ def test_precompiled_regions_in_bf16_train_like_jit_under_ddp_and_fsdp2(tmp_path
 
 def test_fsdp2_sharded_checkpoint_resumes_in_a_fresh_launch(tmp_path):
     common = ["--epochs", "2", "--shuffle", "--fsdp"]
-    whole = run_worker(tmp_path, 2, *common)
-    run_worker(tmp_path, 2, *common, "--save-at", "1")
+    whole = run_worker(tmp_path, 2, *common, "--save-at", "1", "--keep-training")  # saves, trains on
     shards = sorted(p.name for p in (tmp_path / "ckpt/sharded_model_0").iterdir())
     assert any(name.endswith(".distcp") for name in shards), shards
     resumed = run_worker(tmp_path, 2, *common, "--resume-from", str(tmp_path / "ckpt"))
@@ -169,8 +179,7 @@ def test_deepspeed_zero_regional_compile_matches_one_process(tmp_path, shared_ru
 def test_deepspeed_zero3_checkpoint_resumes_in_a_fresh_launch(tmp_path):
     pytest.importorskip("deepspeed")
     common = ["--epochs", "2", "--shuffle", "--zero-stage", "3", "--teacher"]
-    whole = run_worker(tmp_path, 2, *common)
-    run_worker(tmp_path, 2, *common, "--save-at", "1")
+    whole = run_worker(tmp_path, 2, *common, "--save-at", "1", "--keep-training")  # saves, trains on
     parts = sorted(p.name for p in (tmp_path / "ckpt/sharded_model_0").iterdir())
     assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in parts, parts  # each rank wrote its optimizer shard
     assert (tmp_path / "ckpt/sharded_model_1/model.safetensors").is_file()  # the frozen teacher, whole

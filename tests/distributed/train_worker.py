@@ -1,4 +1,4 @@
-"""One training run for the multi-process tests; started by torch.distributed.run (or alone).
+"""One training run for the multi-process tests; started by a launcher (local_launch.py) or alone.
 
 Writes, from the main process, a JSON file with the global loss of every optimizer step, the
 compiled calls of every rank, a checksum of the parameters on every rank and the gathered
