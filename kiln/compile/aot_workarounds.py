@@ -1,6 +1,7 @@
 """The torch behaviours an ahead-of-time compile of a region has to work around (torch 2.13): a
 shared AOTAutograd cache that answers with another signature's code, FSDP2's run-time classes,
-functions compiled under autocast, and saving through a file.
+functions compiled under autocast, saving through a file, and (torch 2.11) an ahead-of-time
+compile that is there but switched off.
 
 Depends on torch only.
 """
@@ -14,6 +15,19 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+
+
+def compile_ahead_of_time(fn: Callable, examples: tuple, **compile_kwargs: Any) -> Any:
+    """`torch.compile(fn, **compile_kwargs).aot_compile(examples)`. torch 2.11 has the ahead-of-time
+    compile but attaches `.aot_compile` to compiled functions only under
+    `torch._dynamo.config.enable_aot_compile`, off by default there (on in 2.13): it is switched on
+    for this one compile."""
+    config = torch._dynamo.config
+    if getattr(config, "enable_aot_compile", True):
+        return torch.compile(fn, **compile_kwargs).aot_compile(examples)
+    with config.patch(enable_aot_compile=True):
+        return torch.compile(fn, **compile_kwargs).aot_compile(examples)
+
 
 class ServedFromCache(Exception):
     """AOTAutograd's shared disk cache answered an ahead-of-time compile. With torch 2.13 (bf16,

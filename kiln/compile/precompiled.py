@@ -33,8 +33,9 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.aot_workarounds import (ServedFromCache, as_class, autocast_off, autograd_cache_hits, detached,
-                                          private_autograd_cache, serialized, with_autocast)
+from kiln.compile.aot_workarounds import (ServedFromCache, as_class, autocast_off, autograd_cache_hits,
+                                          compile_ahead_of_time, detached, private_autograd_cache, serialized,
+                                          with_autocast)
 from kiln.compile.cache import (CorruptEntryError, KilnCacheWarning, pack_envelope, read_envelope,
                                 write_atomically)
 from kiln.compile.cache_key import triton_version
@@ -318,7 +319,7 @@ class PrecompiledRegion:
             private = private_autograd_cache(self.directory / ".aotautograd" / signature_digest(signature))
             self._wait_for_isa_probe()
             with as_class(module, self.block_class), private:
-                compiled = torch.compile(entry, **kw).aot_compile(examples)
+                compiled = compile_ahead_of_time(entry, examples, **kw)
             if not private.active and autograd_cache_hits() != hits:
                 raise ServedFromCache()
             payload = serialized(compiled)

@@ -80,6 +80,18 @@ def test_artifact_round_trip_equals_eager_on_another_instance(tmp_path):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
 
 
+def test_an_ahead_of_time_compile_switched_off_in_dynamos_config_is_switched_on_for_it(tmp_path):
+    # torch 2.11 gives compiled functions `.aot_compile` only under enable_aot_compile, off there
+    # by default: Kiln switches it on for its own compile and leaves the setting as it found it.
+    # (config.patch, not monkeypatch: undoing a monkeypatch deletes the config entry.)
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        model = _compiled(_llama(), tmp_path)
+        _step(model)
+        assert torch._dynamo.config.enable_aot_compile is False
+    region = _region(model)
+    assert (region.ran, region.precompiled_saved) == ("precompiled", 1), region.precompile_notes
+
+
 def test_a_new_sequence_length_compiles_a_new_signature_and_says_why(tmp_path):
     _step(_compiled(_llama(), tmp_path), length=16)
     torch._dynamo.reset()
