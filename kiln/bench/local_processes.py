@@ -10,8 +10,8 @@ Measured: the wall time and CPU-seconds of the whole process tree (the launcher,
 their compiler subprocesses) and the first step's wall time (the slowest rank's). A variant's
 compile CPU-seconds are its CPU-seconds minus the eager row's at the same process count.
 
-Depends on the standard library and kiln.bench.run's child runner; never imports torch (the
-children do).
+Depends on the standard library and kiln.bench.child's result line (kiln.bench.run starts the
+launch); never imports torch (the children do).
 """
 
 from __future__ import annotations
