@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast test-torch-matrix bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,10 +31,11 @@ demo: $(RUN_STAMP)
 	$(PY) examples/train_lm.py
 
 # Parallel workers, one per core (at most 4), each taking whole modules (--dist loadscope), so a
-# module fixture (a shared launch) is made once. The serial tests (they need the machine to
+# module fixture (a shared launch) is made once; modules go out longest first (tests/conftest.py
+# orders them; --no-loadscope-reorder keeps xdist from reordering them by test count). The serial tests (they need the machine to
 # themselves) run afterwards, alone.
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
-PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope
+PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "not serial"
@@ -43,6 +44,30 @@ test: $(DEV_STAMP)
 # The inner loop: no real Inductor compile, no launch (about 2 minutes on 2 cores).
 test-fast: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial"
+
+# The torch matrix (.ci/run): the start-up, compile, accelerator and checkpoint tests on the other
+# torch versions Kiln supports, each in a virtual environment of its own. Any torch but the pinned
+# 2.13.0 comes from the package index as a CUDA build (about 4.6 GB, 2 minutes); it runs on the CPU.
+# Tests that need an API a version lacks assert its fallback there (tests/compile/torch_features.py).
+MATRIX_TORCHES ?= 2.11.0 2.14.1
+MATRIX_TESTS := tests/compile tests/test_accelerator.py tests/test_plugins.py tests/checkpoint
+
+.venv-torch-%/.installed: requirements-base.txt requirements-matrix.txt pyproject.toml
+	$(PYTHON) -m venv .venv-torch-$*
+	.venv-torch-$*/bin/python -m pip install --quiet --upgrade pip
+	.venv-torch-$*/bin/python -m pip install --quiet torch==$* -r requirements-matrix.txt
+	.venv-torch-$*/bin/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+# Kept between runs: make would otherwise delete it as an intermediate file of the pattern rule.
+.PRECIOUS: .venv-torch-%/.installed
+
+test-torch-%: .venv-torch-%/.installed
+	.venv-torch-$*/bin/python -m pytest $(MATRIX_TESTS) -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder \
+		-m "not multiprocess and not serial"
+	.venv-torch-$*/bin/python -m pytest $(MATRIX_TESTS) -q -m "serial and not multiprocess"
+
+test-torch-matrix: $(addprefix test-torch-,$(MATRIX_TORCHES))
 
 # Every benchmark result committed under benchmarks/results (the CPU ones; about 37 minutes on 2 cores).
 bench: $(DEV_STAMP)

@@ -75,7 +75,8 @@ class TorchDynamoPlugin:
 
     backend: str | Callable | None = None  # KILN_DYNAMO_BACKEND, default "inductor"
     mode: str | None = None  # KILN_DYNAMO_MODE, default: torch's ("default")
-    fullgraph: bool | None = None  # KILN_DYNAMO_USE_FULLGRAPH, default False
+    # KILN_DYNAMO_USE_FULLGRAPH; default False, or True with precompile / compile_in_background
+    fullgraph: bool | None = None
     dynamic: bool | None = None  # KILN_DYNAMO_USE_DYNAMIC; None lets torch decide
     options: dict[str, Any] | None = None
     disable: bool | None = None  # KILN_DYNAMO_DISABLE, default False
@@ -99,6 +100,8 @@ class TorchDynamoPlugin:
     # and each region switches to compiled code between steps once its artifact is ready.
     compile_in_background: bool | None = None
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
+    # Settings Kiln decided for the user (shown in the compile report), e.g. an implied fullgraph.
+    notes: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         env = self.environ
@@ -106,9 +109,14 @@ class TorchDynamoPlugin:
             self.backend = _env("BACKEND", env) or "inductor"
         if self.mode is None:
             self.mode = _env("MODE", env) or None
+        # fullgraph's source: "argument", "environment", or None while unset (it is then decided
+        # in _validate, where precompile and compile_in_background imply True).
+        self._fullgraph_from = "argument" if self.fullgraph is not None else None
         if self.fullgraph is None:
             raw = _env("USE_FULLGRAPH", env)
-            self.fullgraph = parse_bool(raw, ENV_PREFIX + "USE_FULLGRAPH") if raw is not None else False
+            if raw is not None:
+                self.fullgraph = parse_bool(raw, ENV_PREFIX + "USE_FULLGRAPH")
+                self._fullgraph_from = "environment"
         if self.dynamic is None:
             raw = _env("USE_DYNAMIC", env)
             self.dynamic = parse_tristate(raw, ENV_PREFIX + "USE_DYNAMIC") if raw is not None else None
@@ -135,7 +143,9 @@ class TorchDynamoPlugin:
         self._validate()
 
     def _validate(self) -> None:
-        for name in ("fullgraph", "disable", "use_regional_compilation"):
+        if self.fullgraph is not None and not isinstance(self.fullgraph, bool):
+            raise TypeError(f"TorchDynamoPlugin.fullgraph must be a bool, got {self.fullgraph!r}")
+        for name in ("disable", "use_regional_compilation"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"TorchDynamoPlugin.{name} must be a bool, got {getattr(self, name)!r}")
         if self.dynamic not in (None, True, False):
@@ -164,10 +174,8 @@ class TorchDynamoPlugin:
             self.precompile = True
         if self.precompile is not None and not isinstance(self.precompile, bool):
             raise TypeError(f"TorchDynamoPlugin.precompile must be None or a bool, got {self.precompile!r}")
+        self._decide_fullgraph()
         if self.precompile:
-            if not self.fullgraph:
-                raise ValueError("precompile=True needs fullgraph=True: an ahead-of-time compile takes "
-                                 "whole graphs only")
             if self.dynamic is True:
                 raise ValueError("precompile=True needs static shapes (dynamic=False or None): artifacts "
                                  "are made per input signature")
@@ -179,6 +187,24 @@ class TorchDynamoPlugin:
                 "block_classes/block_paths choose the regions of a regional compile; "
                 "set use_regional_compilation=True to use them"
             )
+
+    def _decide_fullgraph(self) -> None:
+        """Precompiled regions and training while compiling take whole graphs only: left unset,
+        fullgraph becomes True with them (a note for the compile report), else False; set to
+        False by the user beside either, it is an error naming both settings."""
+        wanted = ("compile_in_background=True" if self.compile_in_background
+                  else "precompile=True" if self.precompile else None)
+        if self.fullgraph is None:
+            self.fullgraph = wanted is not None
+            if wanted is not None:
+                self.notes.append(f"fullgraph=True, implied by {wanted} (left unset)")
+            return
+        if wanted is not None and not self.fullgraph:
+            where = ("fullgraph=False" if self._fullgraph_from == "argument"
+                     else f"{ENV_PREFIX}USE_FULLGRAPH=false in the environment")
+            raise ValueError(f"{wanted} needs whole graphs, but {where} was given: an ahead-of-time compile "
+                             "takes whole graphs only. Set fullgraph=True (or leave it unset), or drop "
+                             f"{wanted.split('=')[0]}")
 
     @property
     def enabled(self) -> bool:

@@ -20,13 +20,28 @@ if PARALLEL_WORKER:
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The launches and real compiles first, the rest in collection order: parallel workers then
-    meet the long tests while plenty of short ones are left to even out the finish."""
-    def long_running(item):
-        return item.get_closest_marker("multiprocess") is not None or item.get_closest_marker("inductor") is not None
+# Rough seconds a test costs on 2 cores, by marker: what orders the modules below.
+COST_MULTIPROCESS, COST_INDUCTOR, COST_OTHER = 20.0, 10.0, 0.5
 
-    items.sort(key=lambda item: not long_running(item))
+
+def _cost(item) -> float:
+    if item.get_closest_marker("multiprocess") is not None:
+        return COST_MULTIPROCESS
+    if item.get_closest_marker("inductor") is not None:
+        return COST_INDUCTOR
+    return COST_OTHER
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules in order of their estimated cost, the longest first, and in each module its
+    launches and real compiles first. Parallel workers take whole modules in this order
+    (make test: --dist loadscope --no-loadscope-reorder), longest first, so the short modules
+    left at the end even out the finish instead of one worker running a long module alone."""
+    module_cost: dict[str, float] = {}
+    for item in items:
+        module_cost[item.nodeid.split("::")[0]] = module_cost.get(item.nodeid.split("::")[0], 0.0) + _cost(item)
+    position = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-module_cost[item.nodeid.split("::")[0]], -_cost(item), position[item.nodeid]))
 
 
 @pytest.fixture(autouse=True)

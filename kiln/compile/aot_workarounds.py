@@ -133,6 +133,24 @@ class autocast_off:
         return False
 
 
+class autocast_on:
+    """Enter the given autocast regions (a call signature's autocast state): the background
+    helper's JIT compile runs the region the way the training process's JIT path calls it."""
+
+    def __init__(self, state: tuple) -> None:
+        self.contexts = [torch.autocast(device_type, dtype=getattr(torch, dtype.replace("torch.", "")))
+                         for device_type, dtype in state]
+
+    def __enter__(self):
+        for context in self.contexts:
+            context.__enter__()
+
+    def __exit__(self, *exc):
+        for context in reversed(self.contexts):
+            context.__exit__(*exc)
+        return False
+
+
 def with_autocast(forward: Callable, state: tuple, label: str) -> Callable:
     dtypes = [(device_type, getattr(torch, dtype.replace("torch.", ""))) for device_type, dtype in state]
     if len(dtypes) == 1:

@@ -56,6 +56,14 @@ def weightless_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
     return copy
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """The helper's answer for one job."""
+
+    error: str | None = None  # the job failed: why
+    jit_only: str | None = None  # not compiled ahead of time, only into the shared caches: why
+
+
 @dataclass
 class Job:
     """One signature of one region to compile ahead of time, everything the helper needs."""
@@ -126,7 +134,7 @@ class BackgroundCompiler:
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.log_dir = Path(log_dir)
         self.process: subprocess.Popen | None = None
-        self.done: dict[tuple[str, str], str | None] = {}  # (region, digest) -> None (ok) or the error
+        self.done: dict[tuple[str, str], Outcome] = {}  # (region, digest) -> the helper's answer
         self.failure: str | None = None  # why the helper is gone, once it is
         self._lock = threading.Lock()
         self._reader: threading.Thread | None = None
@@ -153,7 +161,7 @@ class BackgroundCompiler:
 
     def _refuse(self, region: str, digest: str, why: str) -> bool:
         with self._lock:
-            self.done[(region, digest)] = why
+            self.done[(region, digest)] = Outcome(error=why)
         return False
 
     def submit(self, job: Job, digest: str) -> bool:
@@ -206,8 +214,8 @@ class BackgroundCompiler:
         if own is not None and torch.get_num_threads() == own - 1:  # unless the script changed it meanwhile
             torch.set_num_threads(own)
 
-    def status(self, region: str, digest: str) -> tuple[bool, str | None]:
-        """(finished, error) of a job; a dead helper finishes every job with its cause."""
+    def status(self, region: str, digest: str) -> tuple[bool, Outcome | None]:
+        """(finished, outcome) of a job; a dead helper finishes every job with its cause."""
         if not self._importing:
             # Inductor's runtime is what loading an artifact imports (1-2 s here). Imported on a
             # thread from the first poll on (after step 1, which it would slow down: the import
@@ -226,7 +234,7 @@ class BackgroundCompiler:
             self._fail(f"the background compiler (pid {self.process.pid}) exited with code "
                        f"{self.process.returncode}; see {self.log_path}")
         if self.failure is not None:
-            return True, self.failure
+            return True, Outcome(error=self.failure)
         return False, None
 
     @property
@@ -285,9 +293,13 @@ class BackgroundCompiler:
             frame = _read_frame(stream)
             if frame is None:
                 return
-            region, digest, error = pickle.loads(frame)
+            try:
+                region, digest, error, jit_only = pickle.loads(frame)
+            except Exception as exc:  # a helper of another Kiln version: stop trusting it
+                self.failure = f"the background compiler sent an answer this process cannot read ({exc})"
+                return
             with self._lock:
-                self.done[(region, digest)] = error
+                self.done[(region, digest)] = Outcome(error, jit_only)
 
     def _fail(self, why: str) -> None:
         self.failure = why
@@ -295,8 +307,8 @@ class BackgroundCompiler:
         if not self._warned:
             self._warned = True
             from kiln.compile.monitor import KilnFallbackWarning
-            warnings.warn(f"{why}: the regions it had not compiled yet keep running eagerly",
-                          KilnFallbackWarning, stacklevel=4)
+            warnings.warn(f"{why}: the regions it had not compiled yet are JIT-compiled in the training "
+                          "process at the next step boundary", KilnFallbackWarning, stacklevel=4)
 
 
 def _import_runtime(cpu_inductor: bool = False) -> None:
@@ -346,11 +358,18 @@ def _die_with_parent() -> None:
             pass
 
 
-def compile_job(job: Job) -> None:
-    """Compile one job's signature ahead of time into its folder (the helper's work)."""
+def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | None:
+    """Compile one job's signature ahead of time into its folder (the helper's work). Where torch
+    cannot compile or save it ahead of time (torch 2.11 saves Inductor output only: "expected
+    OutputCode, got function" with aot_eager), JIT-compile it instead, forward and backward, into
+    the compile caches the training process shares; return why, for the training process to
+    JIT-compile it there (a warm compile with Inductor). `aot_refused` remembers, per region, that
+    ahead of time failed, so later signatures go straight to the JIT fill."""
     from kiln.compile.aot_workarounds import autocast_off
     from kiln.compile.precompiled import PrecompiledRegion
     from kiln.compile.regions import _region_entry
+
+    aot_refused = {} if aot_refused is None else aot_refused
 
     if _cpu_inductor(job):
         isa_probe.start()  # once per helper; the compile waits for it
@@ -364,12 +383,49 @@ def compile_job(job: Job) -> None:
     for flag, submodule in zip(fields["training"], module.modules()):
         submodule.training = flag
     args, kwargs = example_inputs(job.signature)
-    region = PrecompiledRegion(job.directory, job.region, job.label, _region_entry(forward, job.label), cls,
-                               forward, job.compile_kwargs)
-    with torch.set_grad_enabled(fields["grad_enabled"]), autocast_off(fields["autocast"]):
-        compiled = region._load_or_compile(job.signature, module, args, kwargs)
-    if compiled is None:
-        raise RuntimeError("; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing")
+    entry = _region_entry(forward, job.label)
+    region = PrecompiledRegion(job.directory, job.region, job.label, entry, cls, forward, job.compile_kwargs)
+    if job.region not in aot_refused:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the failure is reported to the training process instead
+            with torch.set_grad_enabled(fields["grad_enabled"]), autocast_off(fields["autocast"]):
+                compiled = region._load_or_compile(job.signature, module, args, kwargs)
+        if compiled is not None:
+            return None
+        aot_refused[job.region] = "; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing"
+    fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
+    # For the other local processes, which watch the folder rather than the helper's answers.
+    region.mark_jit_only(job.signature, aot_refused[job.region])
+    return aot_refused[job.region]
+
+
+def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module, args: tuple,
+                        kwargs: dict[str, Any], fields: dict[str, Any]) -> None:
+    """JIT-compile one call as the training process's JIT path will (same entry, backend and
+    settings; the caller's autocast around it) and run its backward, so that Inductor's FX graph
+    and AOTAutograd caches hold both graphs when the training process compiles them."""
+    from kiln.compile.aot_workarounds import autocast_on
+    from kiln.compile.backend import resolve_backend
+
+    kw = dict(compile_kwargs)
+    backend = resolve_backend(kw.pop("backend", "inductor"), kw.pop("mode", None), kw.pop("options", None),
+                              kw.get("dynamic"))
+    compiled = torch.compile(entry, backend=backend, **kw)
+    with torch.set_grad_enabled(fields["grad_enabled"]), autocast_on(fields["autocast"]):
+        output = compiled(module, *args, **kwargs)
+    leaves = [t for t in _tensors(output) if t.requires_grad]
+    if leaves:
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
 
 
 def main() -> None:
@@ -387,20 +443,23 @@ def main() -> None:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
     _import_runtime()  # while the training process builds its first step, before any job comes
+    aot_refused: dict[str, str] = {}
     while True:
         frame = _read_frame(stdin)
         if frame is None:
             return
         digest, job = pickle.loads(frame)
-        error = None
+        error = jit_only = None
         start = time.perf_counter()
         try:
-            compile_job(job)
+            jit_only = compile_job(job, aot_refused)
         except Exception as exc:  # reported to the training process, which warns once
             error = f"{type(exc).__name__}: {first_line(str(exc))}"
-        print(f"[kiln background] {job.region} {digest[:8]}: {error or 'compiled'} in "
+        done = "compiled" if jit_only is None else f"compiled into the shared caches only ({jit_only})"
+        print(f"[kiln background] {job.region} {digest[:8]}: {error or done} in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-        _write_frame(stdout, pickle.dumps((job.region, digest, error)))
+        # Plain values: run as `python -m`, this module is __main__ here, so its classes would not unpickle there.
+        _write_frame(stdout, pickle.dumps((job.region, digest, error, jit_only)))
 
 
 if __name__ == "__main__":

@@ -101,12 +101,14 @@ class CompileMonitor:
         self._breaks_seen = now
         region.graph_breaks.update(new)
 
-    def after_compile(self, region: Watched) -> None:
-        """Called by a region's forward when the call built new graphs."""
+    def after_compile(self, region: Watched, policy: bool = True) -> None:
+        """Called by a region's forward when the call built new graphs. `policy=False`: the
+        compile was owed from before warm-up (a signature the background helper handed back to
+        the JIT path), so it is recorded but is no recompile after warm-up."""
         self.take_graph_breaks(region)
         for owner, record in self.collect():
             reason = getattr(record, "recompile_reason", None)
-            if reason and owner.warm:
+            if reason and owner.warm and (policy or owner is not region):
                 self.apply_policy(owner, reason.strip())
 
     def after_precompile(self, region: Watched, reason: str, first: bool) -> None:

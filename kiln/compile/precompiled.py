@@ -46,6 +46,7 @@ from kiln.compile.signatures import (FORMAT_VERSION, UnsupportedCall, call_signa
 MAGIC = b"KILN-PRECOMPILED\n"
 SUFFIX = ".kpc"
 LOCK_SUFFIX = ".lock"
+JIT_ONLY_SUFFIX = ".jit"  # beside where an artifact would be: why this signature is JIT-compiled
 POLL_SECONDS = 0.05
 FOREIGN_LOCK_SECONDS = 600.0  # a lock held on another machine (shared folder) is trusted this long
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -116,7 +117,10 @@ class PrecompiledRegion:
         self.forward = forward
         self.block_class = block_class
         self.compile_kwargs = {k: v for k, v in compile_kwargs.items() if k != "recompile"}
-        self.key = region_key(block_class, forward, compile_kwargs)
+        if self.compile_kwargs.get("dynamic") is None:
+            self.compile_kwargs["dynamic"] = False  # one static artifact per signature
+        # From the settings as compiled: the helper, which gets them, then names the same folder.
+        self.key = region_key(block_class, forward, self.compile_kwargs)
         self.root = Path(directory).expanduser().absolute()
         self.directory = self.root / f"{_safe(name)}-{self.key[:16]}"
         self.stats = PrecompileStats()
@@ -131,9 +135,8 @@ class PrecompiledRegion:
         self.background_wait = False
         self._pending: dict[tuple, tuple[str, float]] = {}  # signature -> (digest, when sent)
         self._ready: set[tuple] = set()
+        self._handed_back: set[tuple] = set()  # switched to the JIT path by poll, not JIT-compiled yet
         self._first_sent: float | None = None
-        if self.compile_kwargs.get("dynamic") is None:
-            self.compile_kwargs["dynamic"] = False  # one static artifact per signature
 
     # ----- per call --------------------------------------------------------------------------
     def function_for(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable | None, tuple]:
@@ -176,12 +179,19 @@ class PrecompiledRegion:
         path = self._path(signature)
         if path.exists():
             return _MISSING  # an earlier run's artifact: load it as usual
+        why = self._jit_only_reason(signature)
+        if why is not None:  # an earlier run found it cannot be precompiled; its caches are warm
+            self._note(f"{self._signature_text(signature)}: JIT-compiled, as an earlier run found it cannot be "
+                       f"compiled ahead of time ({why})")
+            self._functions[signature] = None
+            return None
         digest = signature_digest(signature)
         if self.background is not None and not self.background.submit_signature(self, module, signature, digest):
-            _, error = self.background.status(self.name, digest)
-            self._note(f"{self._signature_text(signature)}: not compiled in the background ({error}); eager")
-            self._functions[signature] = EAGER
-            return EAGER
+            _, outcome = self.background.status(self.name, digest)
+            self._note(f"{self._signature_text(signature)}: not compiled in the background "
+                       f"({outcome.error if outcome else 'the helper is gone'}); JIT-compiled here")
+            self._functions[signature] = None
+            return None
         self._pending[signature] = (digest, time.perf_counter())
         if self._first_sent is None:
             self._first_sent = time.perf_counter()
@@ -189,28 +199,62 @@ class PrecompiledRegion:
 
     def poll(self, step: int) -> None:
         """Between steps: mark the signatures whose artifacts are ready, to be loaded at their next
-        call; a job that failed (or a helper that died) leaves its signature eager, with a note."""
+        call. A signature the helper could only compile into the shared caches, a job that failed
+        and a helper that died all end the same way: the signature is JIT-compiled at its next
+        call (warm where the helper filled the caches), with a note. Background mode ends on
+        compiled code, never on eager calls."""
         if self.background is not None and self.background.own_threads is not None:
             return  # the process still runs on fewer threads than the artifacts were made for
         for signature, (digest, _) in list(self._pending.items()):
             if signature in self._ready:
                 continue
+            why_jit = None
             if self.background is not None:
-                finished, error = self.background.status(self.name, digest)
-            else:
-                finished, error = self._path(signature).exists(), None
+                finished, outcome = self.background.status(self.name, digest)
+                if outcome is not None and outcome.error is not None:
+                    why_jit = f"the background compile failed ({outcome.error})"
+                elif outcome is not None and outcome.jit_only is not None:
+                    why_jit = (f"it cannot be compiled ahead of time here ({outcome.jit_only}); the helper "
+                               "compiled it into the shared compile caches")
+            else:  # another local process's helper compiles it: watch the folder
+                reason = self._jit_only_reason(signature)
+                finished = reason is not None or self._path(signature).exists()
+                if reason is not None:
+                    why_jit = (f"it cannot be compiled ahead of time here ({reason}); the helper compiled it "
+                               "into the shared compile caches")
             if not finished:
                 continue
-            if error is not None:
-                del self._pending[signature]
-                self._functions[signature] = EAGER
-                self._note(f"{self._signature_text(signature)}: the background compile failed ({error}); "
-                           "it keeps running eagerly")
-                continue
-            self._ready.add(signature)
             if self.stats.switch_step is None:
                 self.stats.switch_step = step
                 self.stats.switch_seconds = round(time.perf_counter() - self._first_sent, 3)
+            if why_jit is not None:
+                del self._pending[signature]
+                self._functions[signature] = None  # the JIT path, from its next call
+                self._handed_back.add(signature)
+                self._note(f"{self._signature_text(signature)}: {why_jit}; JIT-compiled after step {step}")
+                continue
+            self._ready.add(signature)
+
+    def take_handback(self, signature: tuple) -> bool:
+        """True once for a signature `poll` handed to the JIT path: its first JIT compile was owed
+        since before warm-up, and is no recompile after it."""
+        if signature in self._handed_back:
+            self._handed_back.discard(signature)
+            return True
+        return False
+
+    def mark_jit_only(self, signature: tuple, why: str) -> None:
+        """Record in the folder that this signature cannot be precompiled on this torch (the helper
+        filled the shared caches instead): local processes that wait on the folder, and later
+        runs, then JIT-compile it rather than wait for an artifact that will not come."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_atomically(self._path(signature).with_suffix(JIT_ONLY_SUFFIX), why.encode())
+
+    def _jit_only_reason(self, signature: tuple) -> str | None:
+        try:
+            return self._path(signature).with_suffix(JIT_ONLY_SUFFIX).read_text()
+        except OSError:
+            return None
 
     def call(self, fn: Callable, signature: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         """Run a precompiled function with autocast switched off around it (it is inside)."""

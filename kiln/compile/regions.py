@@ -324,8 +324,10 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     backend = region.backend
 
     def forward(module, *args, **kwargs):
+        handed_back = False  # a signature the background helper gave back to the JIT path
         if region.precompiled is not None and _stance() == "default":
             fn, signature = region.precompiled.function_for(module, args, kwargs)
+            handed_back = fn is None and region.precompiled.take_handback(signature)
             if fn is EAGER:  # compiling in the background: this call runs the block's own forward
                 region.invocations += 1
                 region.eager_calls += 1
@@ -343,7 +345,7 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
             region.eager_calls += 1
             MONITOR.after_eager_call(region)
         if len(backend.graphs) != graphs:
-            MONITOR.after_compile(region)
+            MONITOR.after_compile(region, policy=not handed_back)
         return output
 
     forward._kiln_region = region  # lets _already_compiled recognise Kiln's forwards

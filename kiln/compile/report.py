@@ -61,6 +61,7 @@ class RegionReport:
 class CompileReport:
     regions: list[RegionReport]
     artifact_cache: dict[str, int] = field(default_factory=dict)  # Kiln's warm-start cache, if any
+    settings: list[str] = field(default_factory=list)  # compile settings Kiln decided for the user
 
     @property
     def graphs(self) -> int:
@@ -81,6 +82,7 @@ class CompileReport:
             "compile_seconds": round(self.compile_seconds, 3),
             "silent_regions": self.silent_regions,
             "artifact_cache": dict(self.artifact_cache),
+            "settings": list(self.settings),
             "regions": [{**asdict(r), "ran": r.ran} for r in self.regions],
         }
 
@@ -107,7 +109,7 @@ class CompileReport:
             elif r.silent:
                 lines.append(f"{r.name}: WARNING: no compiled code ran ({r.invocations} call(s))")
             if r.background_eager_calls:
-                when = (f"switched to precompiled code after step {r.switch_step} ({r.switch_seconds:.1f} s "
+                when = (f"switched to compiled code after step {r.switch_step} ({r.switch_seconds:.1f} s "
                         "after its first call)" if r.switch_step is not None else "not switched yet")
                 lines.append(f"{r.name}: compiled in the background: {r.background_eager_calls} call(s) "
                              f"ran eagerly meanwhile; {when}")
@@ -115,13 +117,17 @@ class CompileReport:
                 lines.append(f"{r.name}: precompiled: {note}")
             if r.precompile_off:
                 lines.append(f"{r.name}: not precompiled: {r.precompile_off}")
+        for note in self.settings:
+            lines.append(f"setting: {note}")
         if self.artifact_cache:
             lines.append("warm-start cache: " + ", ".join(f"{k} {v}" for k, v in self.artifact_cache.items()))
         return "\n".join(lines)
 
 
-def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = None) -> CompileReport:
-    """The report for every region Kiln compiled in `models`."""
+def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = None,
+                   settings: list[str] | None = None) -> CompileReport:
+    """The report for every region Kiln compiled in `models`; `settings`: notes on compile
+    settings decided for the user (an implied fullgraph)."""
     MONITOR.collect()
     regions = []
     for model in models:
@@ -143,7 +149,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 recompile_limit_hit=region.recompile_limit_hit,
                 **_precompile_fields(region),
             ))
-    return CompileReport(regions, dict(artifact_cache or {}))
+    return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()))
 
 
 def _ahead_seconds(region) -> float:

@@ -117,7 +117,8 @@ class CompileSession:
 
     def report(self) -> CompileReport:
         stats = self.cache.stats.as_dict() if self.cache is not None else None
-        return compile_report(*self.models, artifact_cache=stats)
+        notes = self.plugin.notes if self.plugin is not None else None
+        return compile_report(*self.models, artifact_cache=stats, settings=notes)
 
     def after_optimizer_step(self) -> None:
         """At the end of warm-up: recompiles meet the policy, silent regions are called out, and

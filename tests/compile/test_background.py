@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,10 @@ import torch
 
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.compile.background import example_inputs, weightless_copy
-from kiln.compile.monitor import KilnFallbackWarning
+from kiln.compile.monitor import KilnFallbackWarning, KilnRecompileWarning
 from kiln.compile.signatures import call_signature
 from toy_models import tiny_llama
+from torch_features import PRECOMPILE_BACKEND
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,8 +32,9 @@ def _llama():
 
 
 def _prepared(tmp_path):
-    plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False, use_regional_compilation=True,
-                               cache_dir=str(tmp_path), compile_in_background=True)
+    # fullgraph and dynamic left unset, as most users leave them: precompiled, static signatures.
+    plugin = TorchDynamoPlugin(backend=PRECOMPILE_BACKEND, use_regional_compilation=True, cache_dir=str(tmp_path),
+                               compile_in_background=True)
     acc = Accelerator(dynamo_plugin=plugin)
     model = _llama()
     reference = copy.deepcopy(model)
@@ -80,19 +83,89 @@ def test_training_runs_eagerly_then_switches_to_the_helpers_precompiled_code(tmp
     assert helper.poll() is not None  # end_training stopped it
 
 
-def test_a_killed_helper_leaves_training_eager_with_one_warning(tmp_path):
+def test_a_killed_helper_hands_its_regions_to_the_jit_compile_with_one_warning(tmp_path):
     acc, model, optimizer, reference = _prepared(tmp_path)
     losses = [_step(model, optimizer, 0, acc)]
     os.kill(acc.compiler.background.pid, signal.SIGKILL)
     acc.compiler.background.process.wait()
-    with pytest.warns(KilnFallbackWarning, match=r"background compiler \(pid \d+\) exited") as caught:
+    with pytest.warns(KilnFallbackWarning, match=r"background compiler \(pid \d+\) exited.*JIT-compiled") as caught:
         for step in range(1, 4):
             losses.append(_step(model, optimizer, step, acc))
     assert len([w for w in caught if issubclass(w.category, KilnFallbackWarning)]) == 1
     eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    assert losses == pytest.approx([_step(reference, eager_optimizer, i) for i in range(4)], abs=1e-6)
+    assert losses == pytest.approx([_step(reference, eager_optimizer, i) for i in range(4)], abs=1e-5)
     region = acc.compile_report().regions[0]
-    assert region.ran == "eager" and any("background compile failed" in n for n in region.precompile_notes)
+    # Step 0 ran eagerly while the helper lived; the step after its death found it gone, and the
+    # steps after that ran JIT-compiled code: training ends on compiled code.
+    assert region.switch_step == 2 and region.jit_calls == 3 * 2 and region.eager_calls == 3 * 2
+    assert region.ran == "jit+eager"
+    assert any("background compile failed" in n and "JIT-compiled after step 2" in n for n in region.precompile_notes)
+
+
+def _refused_run(folder, steps, deadline_s=120):
+    """Train RefusedStack (its blocks cannot be compiled ahead of time in the helper) until the
+    region has run a whole step JIT-compiled, or `steps` steps are done."""
+    from refusing_block import RefusedStack
+
+    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True, cache_dir=str(folder),
+                               compile_in_background=True)
+    acc = Accelerator(dynamo_plugin=plugin)
+    torch.manual_seed(0)
+    model = RefusedStack()
+    reference = copy.deepcopy(model)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.05))
+    losses, deadline, eager_before = [], time.monotonic() + deadline_s, -1
+    while len(losses) < steps and time.monotonic() < deadline:
+        time.sleep(0.01)  # a step of a real model's length: the tiny stack's take a few ms
+        data = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(len(losses)))
+        loss = model(data, data.mean(-1))
+        acc.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        region = acc.compile_report().regions[0]
+        if region.jit_calls >= 9 and region.eager_calls == eager_before:  # a whole step JIT-compiled
+            break
+        eager_before = region.eager_calls
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05)
+    expected = []
+    for step in range(len(losses)):
+        data = torch.randn(8, 16, 32, generator=torch.Generator().manual_seed(step))
+        loss = reference(data, data.mean(-1))
+        loss.backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        expected.append(loss.item())
+    report = acc.compile_report()
+    acc.end_training()
+    return losses, expected, report
+
+
+# Alone on the machine, like the switch test above: the helper compiles while training steps run.
+@pytest.mark.serial
+def test_a_block_torch_cannot_compile_ahead_of_time_ends_jit_compiled_not_eager(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnRecompileWarning)  # compiles owed from before warm-up are none
+        losses, expected, report = _refused_run(tmp_path, steps=10_000)
+    region = report.regions[0]
+    assert region.jit_calls >= 9 and region.precompiled_calls == 0, report.table()
+    # Each signature switches at the first step boundary after the helper answered for it; the
+    # run ends with a step of JIT-compiled calls only.
+    assert region.ran == "jit+eager" and region.eager_calls >= 3 * region.switch_step
+    assert any("cannot be compiled ahead of time here" in note and "expected OutputCode" in note
+               and f"JIT-compiled after step {region.switch_step}" in note for note in region.precompile_notes)
+    assert losses == pytest.approx(expected, abs=1e-5)
+    # The helper's word for later runs and other processes, one per signature (the first block's
+    # input needs no gradient, the others' do).
+    assert len(list(tmp_path.rglob("*.jit"))) == 2
+
+    # The next run knows from the folder: JIT-compiled from its first call, no eager steps.
+    torch._dynamo.reset()
+    losses, expected, report = _refused_run(tmp_path, steps=3)
+    region = report.regions[0]
+    assert region.ran == "jit" and region.eager_calls == 0 and region.jit_calls == 9
+    assert any("an earlier run found it cannot be compiled ahead of time" in n for n in region.precompile_notes)
+    assert losses == pytest.approx(expected, abs=1e-5)
 
 
 SCRIPT = """
@@ -157,7 +230,7 @@ def test_the_helper_rebuilds_a_block_and_its_inputs_from_a_signature():
 def test_background_setting_is_validated():
     with pytest.raises(ValueError, match="precompile=False"):
         TorchDynamoPlugin(fullgraph=True, compile_in_background=True, precompile=False)
-    with pytest.raises(ValueError, match="fullgraph=True"):
-        TorchDynamoPlugin(compile_in_background=True)
+    with pytest.raises(ValueError, match="fullgraph=False was given"):
+        TorchDynamoPlugin(compile_in_background=True, fullgraph=False)
     plugin = TorchDynamoPlugin(fullgraph=True, environ={"KILN_DYNAMO_COMPILE_IN_BACKGROUND": "1"})
     assert plugin.compile_in_background is True and plugin.precompile is True

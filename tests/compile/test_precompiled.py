@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from kiln.compile.cache import KilnCacheWarning
 from kiln.compile.regions import compile_regions, compiled_regions
 from kiln.compile.report import compile_report
 from toy_models import tiny_llama
+from torch_features import PRECOMPILE_BACKEND, saves_ahead_of_time
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +37,7 @@ def _llama(seed=0, layers=3):
 
 
 def _compiled(model, folder, **kwargs):
-    kwargs.setdefault("backend", "aot_eager")
+    kwargs.setdefault("backend", PRECOMPILE_BACKEND)
     kwargs.setdefault("fullgraph", True)
     return compile_regions(model, precompile=folder, **kwargs)
 
@@ -78,6 +80,29 @@ def test_artifact_round_trip_equals_eager_on_another_instance(tmp_path):
     assert region.precompiled_calls == 3 and region.ran == "precompiled"
     assert region.precompiled_loaded == 1 and region.precompile_load_seconds > 0
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 0
+
+
+def test_where_torch_cannot_save_a_backends_output_precompile_is_jit_with_one_warning(tmp_path):
+    # torch 2.11 saves Inductor output only: with aot_eager there, precompile=True must still
+    # train (JIT-compiled, the same numbers) and say why once; where it can be saved, it is.
+    model = _compiled(_llama(), tmp_path, backend="aot_eager")
+    reference = copy.deepcopy(model)
+    from kiln.compile.regions import uncompile
+    uncompile(reference)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss, _ = _step(model)
+        _step(model, seed=2)
+    cache_warnings = [w for w in caught if issubclass(w.category, KilnCacheWarning)]
+    expected, _ = _step(reference)
+    torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+    region = _region(model)
+    if saves_ahead_of_time("aot_eager"):
+        assert region.ran == "precompiled" and cache_warnings == [] and len(_artifacts(tmp_path)) == 1
+    else:
+        assert region.ran == "jit" and _artifacts(tmp_path) == []
+        assert len(cache_warnings) == 1 and "ahead-of-time compile failed" in str(cache_warnings[0].message)
+        assert "expected OutputCode" in " ".join(region.precompile_notes)
 
 
 def test_an_ahead_of_time_compile_switched_off_in_dynamos_config_is_switched_on_for_it(tmp_path):
@@ -226,8 +251,10 @@ def test_fullgraph_false_is_not_precompiled_and_the_report_says_why(tmp_path):
 
 
 def test_plugin_precompile_setting_is_validated():
-    with pytest.raises(ValueError, match="precompile=True needs fullgraph=True"):
-        TorchDynamoPlugin(precompile=True)
+    with pytest.raises(ValueError, match="precompile=True needs whole graphs, but fullgraph=False was given"):
+        TorchDynamoPlugin(precompile=True, fullgraph=False)
+    with pytest.raises(ValueError, match="KILN_DYNAMO_USE_FULLGRAPH=false in the environment"):
+        TorchDynamoPlugin(precompile=True, environ={"KILN_DYNAMO_USE_FULLGRAPH": "0"})
     with pytest.raises(ValueError, match="cache=False"):
         TorchDynamoPlugin(precompile=True, fullgraph=True, cache=False)
     with pytest.raises(ValueError, match="static shapes"):
@@ -237,9 +264,32 @@ def test_plugin_precompile_setting_is_validated():
     assert TorchDynamoPlugin(fullgraph=True, environ={"KILN_DYNAMO_PRECOMPILE": "1"}).precompile is True
 
 
+def test_precompile_and_background_imply_fullgraph_when_it_is_left_unset():
+    plugin = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, compile_in_background=True)
+    assert plugin.fullgraph is True and plugin.to_compile_kwargs()["fullgraph"] is True
+    assert plugin.notes == ["fullgraph=True, implied by compile_in_background=True (left unset)"]
+    assert TorchDynamoPlugin(precompile=True).notes == ["fullgraph=True, implied by precompile=True (left unset)"]
+    assert TorchDynamoPlugin(precompile=True, fullgraph=True).notes == []
+    assert TorchDynamoPlugin().fullgraph is False and TorchDynamoPlugin().notes == []
+    with pytest.raises(ValueError, match="compile_in_background=True needs whole graphs, but fullgraph=False"):
+        TorchDynamoPlugin(compile_in_background=True, fullgraph=False)
+
+
+def test_the_report_names_the_implied_fullgraph(tmp_path):
+    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True, precompile=True,
+                               cache_dir=str(tmp_path))
+    acc = Accelerator(dynamo_plugin=plugin)
+    model = acc.prepare(_llama())
+    _step(model)
+    report = acc.compile_report()
+    assert report.settings == ["fullgraph=True, implied by precompile=True (left unset)"]
+    assert "setting: fullgraph=True, implied by precompile=True" in report.table()
+    assert report.as_dict()["settings"] == report.settings
+
+
 def test_prepare_in_bf16_loads_precompiled_regions_on_the_second_run(tmp_path):
     def run():
-        plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
+        plugin = TorchDynamoPlugin(backend=PRECOMPILE_BACKEND, fullgraph=True, dynamic=False,
                                    use_regional_compilation=True, cache_dir=str(tmp_path), precompile=True)
         acc = Accelerator(dynamo_plugin=plugin, mixed_precision="bf16")
         model = _llama()
@@ -307,7 +357,7 @@ from kiln.compile.report import compile_report
 torch.manual_seed(0)
 model = tiny_llama(3).train()
 model.config.loss_type = model.loss_type = "ForCausalLM"
-compile_regions(model, backend="aot_eager", fullgraph=True, precompile=sys.argv[1])
+compile_regions(model, backend={backend!r}, fullgraph=True, precompile=sys.argv[1])
 ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
 start = time.process_time()
 loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -321,7 +371,7 @@ print(json.dumps(dict(loss=loss.item(), saved=region.precompiled_saved, loaded=r
 @pytest.mark.multiprocess
 def test_local_processes_compile_each_signature_once(tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=str(ROOT / "tests")))
+    script.write_text(WORKER.format(tests=str(ROOT / "tests"), backend=PRECOMPILE_BACKEND))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     folder = str(tmp_path / "artifacts")
     procs = [subprocess.Popen([sys.executable, str(script), folder], env=env, stdout=subprocess.PIPE,
