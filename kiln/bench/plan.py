@@ -48,7 +48,8 @@ SUITE_VARIANTS = {
                    "warm-precompiled", "warm-precompiled-copy"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
-                "precompiled-warm-copy", "background-cold", "accelerate-regional"),
+                "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
+                "busy-regional-cold", "busy-background-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold"),
 }
 
@@ -144,7 +145,10 @@ PLANS: dict[str, list[Group]] = {
     # compile; the small Llama and the demo's GPT-2 (about 8 minutes on 2 cores).
     "startup": [
         Group(["small", "demo"], ["train"], [4], ["regional"], suite="startup",
-              variants=list(SUITE_VARIANTS["startup"]), steps=500),
+              variants=[v for v in SUITE_VARIANTS["startup"] if not v.startswith("busy-")], steps=500),
+        # The same job on a busy machine (a busy loop holds one core): 2000 steps each, small only.
+        Group(["small"], ["train"], [4], ["regional"], suite="startup",
+              variants=[v for v in SUITE_VARIANTS["startup"] if v.startswith("busy-")], steps=500),
     ],
     # Cold starts of 1 and 2 local processes (torch.distributed.run): does each region compile once
     # per machine? The start-up job's first 20 steps, eager, JIT (every process compiles) and

@@ -95,7 +95,7 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
     else:
         prepare_folder(row.variant, colds[case], folder)
     caches = {"KILN_COMPILE_CACHE_DIR": str(folder)}
-    if row.variant in ("eager", "accelerate-regional"):  # no Kiln cache: Inductor's own, empty, in the folder
+    if row.variant in ("eager", "busy-eager", "accelerate-regional"):  # no Kiln cache: Inductor's own, empty, in the folder
         caches["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
     return _run_child(row, caches, timeout_s)
 

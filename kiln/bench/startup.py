@@ -12,6 +12,8 @@ Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache fold
     precompiled-warm-copy   a copy of precompiled-cold's folder at another path
     background-cold         compile_in_background=True, an empty folder
     accelerate-regional     Accelerate's own regional compile, an empty Inductor folder
+    busy-<variant>          <variant> (eager, regional-cold, background-cold) on a busy machine: a
+                            plain Python busy loop (nice 0) runs beside the job from its start to its end
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Any
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
             "precompiled-warm-copy", "background-cold", "accelerate-regional")
+BUSY_VARIANTS = ("busy-eager", "busy-regional-cold", "busy-background-cold")
+BUSY = "busy-"
 MILESTONES = (20, 100, 400, 500, 2000)
 # Background rows train 4x the steps (2000 for the plan's 500): on 2 cores the helper's compile
 # outlasts 500 eager steps, and the row should show the switch and the compiled steps after it.
@@ -33,6 +37,7 @@ SAME_FOLDER = ("precompiled-warm",)  # runs in its base row's folder itself
 WARM_OVERHEAD_RATIO = 0.10  # a precompiled warm start's overhead over the cold compile's
 BACKGROUND_FIRST_STEP_RATIO = 2.0  # background mode's first step over an eager process's
 BACKGROUND_TIME_RATIO = 0.85  # background mode's time to 400 steps over the blocking compile's
+BUSY_TIME_RATIO = 1.0  # on a busy machine: background mode's time to 2000 steps over the blocking compile's
 # The demo's model (examples/train_lm.py's defaults): GPT-2, 4 layers of width 128.
 DEMO_GPT2 = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=256)
 
@@ -78,11 +83,25 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     """One training job of `row["steps"]` AdamW steps as its variant starts it; timings from the
     process's start."""
     process_start = _process_start()
+    busy = None
+    if row["variant"].startswith(BUSY):
+        import subprocess
+        import sys
+
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # one core taken, at nice 0
+    try:
+        return _measure(row, process_start, row["variant"].removeprefix(BUSY))
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+
+
+def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[str, Any]:
     import torch
 
     if row.get("threads"):
         torch.set_num_threads(row["threads"])
-    variant = row["variant"]
     # As a user's script is laid out: imports and the Accelerator at the top, then the model, then
     # prepare. "First step" is timed from just before prepare.
     accelerator, backward = None, None
@@ -108,7 +127,8 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         model, optimizer = accelerator.prepare(model, optimizer)
         backward = accelerator.backward
     times, at, losses = [], {}, []
-    steps = row["steps"] * (BACKGROUND_STEPS_FACTOR if variant == "background-cold" else 1)
+    long_run = variant == "background-cold" or row["variant"].startswith(BUSY)
+    steps = row["steps"] * (BACKGROUND_STEPS_FACTOR if long_run else 1)
     for step in range(1, steps + 1):
         begin = time.perf_counter()
         loss = model(input_ids=ids, labels=ids, use_cache=False).loss
@@ -184,6 +204,14 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if background and cold and background.get("t400_s") and cold.get("t400_s"):
             check("background-cold time to 400 steps / regional-cold's", background["t400_s"] / cold["t400_s"],
                   BACKGROUND_TIME_RATIO)
+        background, cold = by.get("busy-background-cold"), by.get("busy-regional-cold")
+        if background and cold and background.get("t2000_s") and cold.get("t2000_s"):
+            check("busy-background-cold time to 2000 steps / busy-regional-cold's",
+                  background["t2000_s"] / cold["t2000_s"], BUSY_TIME_RATIO)
+        if background:
+            switched = background.get("switch_step")
+            checks.append({"target": f"{model}: busy-background-cold runs compiled code before step 2000",
+                           "value": switched, "limit": 2000, "met": switched is not None and switched < 2000})
     return checks
 
 
@@ -191,7 +219,9 @@ def render(rows: list[dict[str, Any]]) -> str:
     checks = "\n".join(f"- {c['target']}: {c['value']} ({'met' if c['met'] else 'missed'})" for c in target_checks(rows))
     return ("Start-up of a training job (AdamW), each row a fresh process; the step times are from the process's "
             "start, \"first step\" from just before `prepare` to the end of step 1, \"overhead\" that minus a "
-            f"steady step (the median of the last 50); background rows train {BACKGROUND_STEPS_FACTOR}x the steps.\n\n{table(rows)}\n\n{checks}\n")
+            f"steady step (the median of the last 50); background and busy rows train {BACKGROUND_STEPS_FACTOR}x "
+            "the steps; busy rows run beside a Python busy loop that takes one core.\n\n"
+            f"{table(rows)}\n\n{checks}\n")
 
 
 def progress(result: dict[str, Any]) -> str:

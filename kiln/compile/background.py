@@ -2,11 +2,11 @@
 their first calls, while the training process runs those regions eagerly; between steps the
 training process loads what is ready and switches each region to compiled code.
 
-Depends on torch, kiln.compile.precompiled and kiln.compile.regions' entry builder; never on the
-facade or a strategy. The helper is `python -m kiln.compile.background` (not multiprocessing's
-spawn, which would run the user's script again in the helper when it lacks a main guard). It gets
-jobs as length-prefixed pickles on its stdin and answers on its stdout. It dies with the training
-process: Linux's parent-death signal, a watchdog on its parent's pid, and the end of its stdin.
+Depends on torch and kiln.compile.isa_probe; never on the facade or a strategy. The helper is
+`python -m kiln.compile.background_helper` (not multiprocessing's spawn, which would run the user's
+script again in the helper when it lacks a main guard). It gets jobs as length-prefixed pickles on
+its stdin and answers on its stdout. It dies with the training process: Linux's parent-death
+signal, a watchdog on its parent's pid, and the end of its stdin.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.messages import first_line
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -146,6 +145,9 @@ class BackgroundCompiler:
         self.own_threads: int | None = None
         self._made_room = False
         self._cpu_inductor = False  # a job compiles Inductor CPU code: loading it needs isa_probe's answers
+        self._watch: tuple[float, float] | None = None  # (when, helper CPU seconds) a watch window began
+        self.abandoned: str | None = None  # why the helper was given up for a foreground compile
+        self._looked = float("-inf")  # when check_progress last read the helper's CPU time
 
     def submit_signature(self, region: Any, module: nn.Module, signature: tuple, digest: str) -> bool:
         """Build the job for one signature of a `PrecompiledRegion` met at `module`, and send it."""
@@ -197,6 +199,55 @@ class BackgroundCompiler:
             torch.set_num_threads(threads - 1)
             print(f"[kiln] compiling in the background: training runs on {threads - 1} of its {threads} threads "
                   "until the first compiled regions are ready", file=sys.stderr, flush=True)
+
+    # A helper that gets less than this share of one core while jobs wait is starved: the machine
+    # is busy (another job, dataloader workers, a shared VM). Measured on 2 cores beside a busy
+    # process: the helper at nice 10 got about 17% of a core and built 3 kernels in 3 minutes, and
+    # the run never switched (2000 eager steps). An idle core gives it 90-100%.
+    STARVED_SHARE = 0.5
+    WATCH_SECONDS = 5.0  # how long a window the share is measured over
+
+    def check_progress(self) -> bool:
+        """Between steps: watch the CPU the helper (with its compiler processes) gets while jobs
+        wait; when it is starved, give it up (`abandon`) and return True: its regions are then
+        JIT-compiled in the foreground at this step boundary, which on a busy machine finishes
+        far sooner than a helper at nice 10 would."""
+        if self.process is None or self.failure is not None:
+            return False
+        with self._lock:
+            outstanding = bool(self.submitted - set(self.done))
+        if not outstanding:
+            self._watch = None  # nothing to compile: no window runs
+            return False
+        now = time.monotonic()
+        if now - self._looked < 0.5:  # reading /proc costs a few ms: not at every short step
+            return False
+        self._looked = now
+        cpu = tree_cpu_seconds(self.process.pid)
+        if cpu is None:  # no /proc (not Linux), or the helper just ended
+            return False
+        if self._watch is None:
+            self._watch = (now, cpu)
+            return False
+        began, cpu_then = self._watch
+        if now - began < self.WATCH_SECONDS:
+            return False
+        share = (cpu - cpu_then) / (now - began)
+        if share >= self.STARVED_SHARE:
+            self._watch = (now, cpu)
+            return False
+        self.abandon(f"the background compiler got {share:.0%} of a core over the last {now - began:.0f} s "
+                     "(the machine is busy)")
+        return True
+
+    def abandon(self, why: str) -> None:
+        """Stop the helper and JIT-compile its outstanding regions here: said once, as a warning."""
+        self.abandoned = why
+        process = self.process
+        self._fail(why, then="compiling in the foreground instead: the regions it had not compiled yet are "
+                             "JIT-compiled at this step boundary, reusing what it finished")
+        if process is not None and process.poll() is None:
+            process.kill()
 
     def settle(self) -> None:
         """Between steps: give training its threads back once no job is outstanding (then the
@@ -282,7 +333,7 @@ class BackgroundCompiler:
         # One compiler process, not a pool per core: the helper is meant to use the core training left it.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.background"], env=env,
+            self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.background_helper"], env=env,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self._reader = threading.Thread(target=self._read, name="kiln-background-results", daemon=True)
         self._reader.start()
@@ -301,14 +352,45 @@ class BackgroundCompiler:
             with self._lock:
                 self.done[(region, digest)] = Outcome(error, jit_only)
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, then: str = "the regions it had not compiled yet are JIT-compiled in the "
+                                         "training process at the next step boundary") -> None:
         self.failure = why
         self._restore_threads()
         if not self._warned:
             self._warned = True
             from kiln.compile.monitor import KilnFallbackWarning
-            warnings.warn(f"{why}: the regions it had not compiled yet are JIT-compiled in the training "
-                          "process at the next step boundary", KilnFallbackWarning, stacklevel=4)
+            warnings.warn(f"{why}: {then}", KilnFallbackWarning, stacklevel=4)
+
+
+def tree_cpu_seconds(root: int) -> float | None:
+    """CPU seconds used by process `root` and all its descendants, living or finished (Linux's
+    /proc: a process's own time plus that of the children it reaped); None without /proc or root.
+    The helper's compile runs partly in gcc processes, which its own times miss while they run."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    children: dict[int, list[int]] = {}
+    used: dict[int, int] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return None
+    for name in entries:
+        try:
+            with open(f"/proc/{name}/stat") as handle:
+                stat = handle.read()
+        except OSError:  # ended meanwhile
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (command) "
+        pid, parent = int(name), int(fields[1])
+        children.setdefault(parent, []).append(pid)
+        used[pid] = sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+    if root not in used:
+        return None
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        total += used.get(pid, 0)
+        stack.extend(children.get(pid, ()))
+    return total / ticks
 
 
 def _import_runtime(cpu_inductor: bool = False) -> None:
@@ -337,130 +419,3 @@ def _read_frame(stream) -> bytes | None:
     (size,) = struct.unpack(">Q", head)
     data = stream.read(size)
     return data if len(data) == size else None
-
-
-# ---------------------------------------------------------------- the helper's side
-
-def _watch_parent(parent: int) -> None:
-    while True:
-        if os.getppid() != parent:
-            os._exit(3)
-        time.sleep(0.5)
-
-
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-            import signal
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | None:
-    """Compile one job's signature ahead of time into its folder (the helper's work). Where torch
-    cannot compile or save it ahead of time (torch 2.11 saves Inductor output only: "expected
-    OutputCode, got function" with aot_eager), JIT-compile it instead, forward and backward, into
-    the compile caches the training process shares; return why, for the training process to
-    JIT-compile it there (a warm compile with Inductor). `aot_refused` remembers, per region, that
-    ahead of time failed, so later signatures go straight to the JIT fill."""
-    from kiln.compile.aot_workarounds import autocast_off
-    from kiln.compile.precompiled import PrecompiledRegion
-    from kiln.compile.regions import _region_entry
-
-    aot_refused = {} if aot_refused is None else aot_refused
-
-    if _cpu_inductor(job):
-        isa_probe.start()  # once per helper; the compile waits for it
-    cls, forward = _import(job.block_class), _import(job.forward)
-    module = pickle.loads(job.skeleton).to_empty(device=job.device)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensor.normal_() if tensor.dtype.is_floating_point else tensor.zero_()
-    fields = dict(job.signature)
-    torch.set_num_threads(fields["num_threads"])  # loaded code guards on it: the training process's count
-    for flag, submodule in zip(fields["training"], module.modules()):
-        submodule.training = flag
-    args, kwargs = example_inputs(job.signature)
-    entry = _region_entry(forward, job.label)
-    region = PrecompiledRegion(job.directory, job.region, job.label, entry, cls, forward, job.compile_kwargs)
-    if job.region not in aot_refused:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the failure is reported to the training process instead
-            with torch.set_grad_enabled(fields["grad_enabled"]), autocast_off(fields["autocast"]):
-                compiled = region._load_or_compile(job.signature, module, args, kwargs)
-        if compiled is not None:
-            return None
-        aot_refused[job.region] = "; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing"
-    fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
-    # For the other local processes, which watch the folder rather than the helper's answers.
-    region.mark_jit_only(job.signature, aot_refused[job.region])
-    return aot_refused[job.region]
-
-
-def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module, args: tuple,
-                        kwargs: dict[str, Any], fields: dict[str, Any]) -> None:
-    """JIT-compile one call as the training process's JIT path will (same entry, backend and
-    settings; the caller's autocast around it) and run its backward, so that Inductor's FX graph
-    and AOTAutograd caches hold both graphs when the training process compiles them."""
-    from kiln.compile.aot_workarounds import autocast_on
-    from kiln.compile.backend import resolve_backend
-
-    kw = dict(compile_kwargs)
-    backend = resolve_backend(kw.pop("backend", "inductor"), kw.pop("mode", None), kw.pop("options", None),
-                              kw.get("dynamic"))
-    compiled = torch.compile(entry, backend=backend, **kw)
-    with torch.set_grad_enabled(fields["grad_enabled"]), autocast_on(fields["autocast"]):
-        output = compiled(module, *args, **kwargs)
-    leaves = [t for t in _tensors(output) if t.requires_grad]
-    if leaves:
-        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
-
-
-def main() -> None:
-    parent = int(os.environ.get("KILN_BACKGROUND_PARENT", os.getppid()))
-    _die_with_parent()
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    # Below the training process in the scheduler. Training leaves the helper a core where its
-    # threads would fill them all (BackgroundCompiler._make_room); where they still cannot (one
-    # thread per process, as many processes as cores), the eager steps keep their speed and the
-    # compile (gcc included, which inherits this) takes what is left.
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
-    _import_runtime()  # while the training process builds its first step, before any job comes
-    aot_refused: dict[str, str] = {}
-    while True:
-        frame = _read_frame(stdin)
-        if frame is None:
-            return
-        digest, job = pickle.loads(frame)
-        error = jit_only = None
-        start = time.perf_counter()
-        try:
-            jit_only = compile_job(job, aot_refused)
-        except Exception as exc:  # reported to the training process, which warns once
-            error = f"{type(exc).__name__}: {first_line(str(exc))}"
-        done = "compiled" if jit_only is None else f"compiled into the shared caches only ({jit_only})"
-        print(f"[kiln background] {job.region} {digest[:8]}: {error or done} in "
-              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-        # Plain values: run as `python -m`, this module is __main__ here, so its classes would not unpickle there.
-        _write_frame(stdout, pickle.dumps((job.region, digest, error, jit_only)))
-
-
-if __name__ == "__main__":
-    main()

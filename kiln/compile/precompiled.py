@@ -212,7 +212,9 @@ class PrecompiledRegion:
             if self.background is not None:
                 finished, outcome = self.background.status(self.name, digest)
                 if outcome is not None and outcome.error is not None:
-                    why_jit = f"the background compile failed ({outcome.error})"
+                    abandoned = self.background.abandoned
+                    why_jit = (f"compiled in the foreground instead ({abandoned})" if outcome.error == abandoned
+                               else f"the background compile failed ({outcome.error})")
                 elif outcome is not None and outcome.jit_only is not None:
                     why_jit = (f"it cannot be compiled ahead of time here ({outcome.jit_only}); the helper "
                                "compiled it into the shared compile caches")

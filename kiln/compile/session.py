@@ -126,6 +126,7 @@ class CompileSession:
         self._steps += 1
         if self.plugin is not None and self.plugin.compile_in_background:
             if self.background is not None:
+                self.background.check_progress()  # a starved helper is given up for a foreground compile
                 self.background.settle()
             for model in self.models:
                 for region in compiled_regions(model):

@@ -219,6 +219,39 @@ def test_startup_targets_are_ratios_of_rows_in_the_same_run():
     assert "| small | eager | 0.04 | 0.02 | 5.00 | 7.00 | 15.00 | 17.00 | - | 20.0 | - | - | - |" in table
 
 
+def test_busy_machine_targets_compare_background_with_blocking_at_2000_steps():
+    from kiln.bench import startup
+
+    rows = [_startup_row("busy-regional-cold", 30.0, 60.0, ran="jit", traces=1, t2000_s=200.0),
+            _startup_row("busy-background-cold", 0.2, 70.0, ran="jit+eager", traces=2, switch_step=150,
+                         t2000_s=190.0)]
+    checks = {c["target"]: (c["value"], c["met"]) for c in startup.target_checks(rows)}
+    assert checks == {"small: busy-background-cold time to 2000 steps / busy-regional-cold's <= 1.0": (0.95, True),
+                      "small: busy-background-cold runs compiled code before step 2000": (150, True)}
+    never = [rows[0], {**rows[1], "switch_step": None, "ran": "eager"}]
+    checks = {c["target"]: c["met"] for c in startup.target_checks(never)}
+    assert checks["small: busy-background-cold runs compiled code before step 2000"] is False
+
+
+def test_busy_rows_run_beside_a_process_that_takes_a_core(monkeypatch):
+    import subprocess
+
+    from kiln.bench import startup
+
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, args, **kwargs):
+            started.append(args)
+            super().__init__(args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    seen = {}
+    monkeypatch.setattr(startup, "_measure", lambda row, start, variant: seen.update(variant=variant) or {"ok": 1})
+    assert startup.measure({"variant": "busy-background-cold"}) == {"ok": 1}
+    assert seen["variant"] == "background-cold" and started[0][1:] == ["-c", "while True: pass"]
+
+
 @pytest.mark.multiprocess
 def test_local_processes_plan_launches_every_process_and_counts_the_whole_trees_cpu(tmp_path, capsys):
     status = main(["bench", "--device", "cpu", "--plan", "local-processes", "--models", "tiny", "--backend",

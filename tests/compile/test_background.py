@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kiln import Accelerator, TorchDynamoPlugin
-from kiln.compile.background import example_inputs, weightless_copy
+from kiln.compile.background import BackgroundCompiler, example_inputs, tree_cpu_seconds, weightless_copy
 from kiln.compile.monitor import KilnFallbackWarning, KilnRecompileWarning
 from kiln.compile.signatures import call_signature
 from toy_models import tiny_llama
@@ -100,6 +100,56 @@ def test_a_killed_helper_hands_its_regions_to_the_jit_compile_with_one_warning(t
     assert region.switch_step == 2 and region.jit_calls == 3 * 2 and region.eager_calls == 3 * 2
     assert region.ran == "jit+eager"
     assert any("background compile failed" in n and "JIT-compiled after step 2" in n for n in region.precompile_notes)
+
+
+def test_a_starved_helper_is_given_up_for_a_foreground_compile(tmp_path, monkeypatch):
+    monkeypatch.setattr(BackgroundCompiler, "WATCH_SECONDS", 1.0)
+    threads = torch.get_num_threads()
+    acc, model, optimizer, reference = _prepared(tmp_path)
+    losses = [_step(model, optimizer, 0, acc)]
+    helper = acc.compiler.background.process
+    os.kill(helper.pid, signal.SIGSTOP)  # as starved as a helper can be: it gets no CPU at all
+    try:
+        with pytest.warns(KilnFallbackWarning, match=r"got \d+% of a core.*compiling in the foreground instead") as caught:
+            deadline = time.monotonic() + 120
+            while acc.compile_report().regions[0].jit_calls < 6 and time.monotonic() < deadline:
+                time.sleep(0.05)  # a step of a real model's length
+                losses.append(_step(model, optimizer, len(losses), acc))
+    finally:
+        _continue(helper.pid)
+    assert len([w for w in caught if issubclass(w.category, KilnFallbackWarning)]) == 1
+    assert helper.wait(timeout=10) is not None  # killed, not left behind
+    region = acc.compile_report().regions[0]
+    assert region.ran == "jit+eager" and region.jit_calls >= 6 and region.switch_step is not None
+    assert any("compiled in the foreground instead" in note and "% of a core" in note
+               for note in region.precompile_notes)
+    eager_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    assert losses == pytest.approx([_step(reference, eager_optimizer, i) for i in range(len(losses))], abs=1e-4)
+    assert torch.get_num_threads() == threads  # training has its threads back
+
+
+def _continue(pid):
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+def test_a_helpers_cpu_time_counts_its_compiler_processes():
+    # A helper's compile runs partly in gcc processes: their CPU time is the helper's progress.
+    busy = "import time\nwhile time.process_time() < 1.5: pass"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {busy!r}])"])
+    try:
+        deadline = time.monotonic() + 30
+        seen = 0.0
+        while parent.poll() is None and time.monotonic() < deadline:
+            seen = max(seen, tree_cpu_seconds(parent.pid) or 0.0)
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert seen >= 1.0  # the child's 1.5 s of CPU, counted while it ran (the parent itself only waits)
+    assert tree_cpu_seconds(parent.pid) is None  # gone
 
 
 def _refused_run(folder, steps, deadline_s=120):

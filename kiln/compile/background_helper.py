@@ -1,0 +1,150 @@
+"""The background compiler's own process (`python -m kiln.compile.background_helper`): it reads
+jobs from its stdin, compiles each ahead of time (or, where torch cannot, JIT-compiles it into the
+shared compile caches), and answers on its stdout. kiln/compile/background.py is the training
+process's side.
+
+Depends on torch, kiln.compile.background (the job format and the frames), kiln.compile.precompiled
+and kiln.compile.regions' entry builder; never on the facade or a strategy.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.compile import isa_probe
+from kiln.compile.background import (Job, _cpu_inductor, _import, _import_runtime, _read_frame, _write_frame,
+                                     example_inputs)
+from kiln.compile.messages import first_line
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | None:
+    """Compile one job's signature ahead of time into its folder (the helper's work). Where torch
+    cannot compile or save it ahead of time (torch 2.11 saves Inductor output only: "expected
+    OutputCode, got function" with aot_eager), JIT-compile it instead, forward and backward, into
+    the compile caches the training process shares; return why, for the training process to
+    JIT-compile it there (a warm compile with Inductor). `aot_refused` remembers, per region, that
+    ahead of time failed, so later signatures go straight to the JIT fill."""
+    from kiln.compile.aot_workarounds import autocast_off
+    from kiln.compile.precompiled import PrecompiledRegion
+    from kiln.compile.regions import _region_entry
+
+    aot_refused = {} if aot_refused is None else aot_refused
+
+    if _cpu_inductor(job):
+        isa_probe.start()  # once per helper; the compile waits for it
+    cls, forward = _import(job.block_class), _import(job.forward)
+    module = pickle.loads(job.skeleton).to_empty(device=job.device)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.normal_() if tensor.dtype.is_floating_point else tensor.zero_()
+    fields = dict(job.signature)
+    torch.set_num_threads(fields["num_threads"])  # loaded code guards on it: the training process's count
+    for flag, submodule in zip(fields["training"], module.modules()):
+        submodule.training = flag
+    args, kwargs = example_inputs(job.signature)
+    entry = _region_entry(forward, job.label)
+    region = PrecompiledRegion(job.directory, job.region, job.label, entry, cls, forward, job.compile_kwargs)
+    if job.region not in aot_refused:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the failure is reported to the training process instead
+            with torch.set_grad_enabled(fields["grad_enabled"]), autocast_off(fields["autocast"]):
+                compiled = region._load_or_compile(job.signature, module, args, kwargs)
+        if compiled is not None:
+            return None
+        aot_refused[job.region] = "; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing"
+    fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
+    # For the other local processes, which watch the folder rather than the helper's answers.
+    region.mark_jit_only(job.signature, aot_refused[job.region])
+    return aot_refused[job.region]
+
+
+def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module, args: tuple,
+                        kwargs: dict[str, Any], fields: dict[str, Any]) -> None:
+    """JIT-compile one call as the training process's JIT path will (same entry, backend and
+    settings; the caller's autocast around it) and run its backward, so that Inductor's FX graph
+    and AOTAutograd caches hold both graphs when the training process compiles them."""
+    from kiln.compile.aot_workarounds import autocast_on
+    from kiln.compile.backend import resolve_backend
+
+    kw = dict(compile_kwargs)
+    backend = resolve_backend(kw.pop("backend", "inductor"), kw.pop("mode", None), kw.pop("options", None),
+                              kw.get("dynamic"))
+    compiled = torch.compile(entry, backend=backend, **kw)
+    with torch.set_grad_enabled(fields["grad_enabled"]), autocast_on(fields["autocast"]):
+        output = compiled(module, *args, **kwargs)
+    leaves = [t for t in _tensors(output) if t.requires_grad]
+    if leaves:
+        torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def main() -> None:
+    parent = int(os.environ.get("KILN_BACKGROUND_PARENT", os.getppid()))
+    _die_with_parent()
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    # Below the training process in the scheduler. Training leaves the helper a core where its
+    # threads would fill them all (BackgroundCompiler._make_room); where they still cannot (one
+    # thread per process, as many processes as cores), the eager steps keep their speed and the
+    # compile (gcc included, which inherits this) takes what is left.
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
+    _import_runtime()  # while the training process builds its first step, before any job comes
+    aot_refused: dict[str, str] = {}
+    while True:
+        frame = _read_frame(stdin)
+        if frame is None:
+            return
+        digest, job = pickle.loads(frame)
+        error = jit_only = None
+        start = time.perf_counter()
+        try:
+            jit_only = compile_job(job, aot_refused)
+        except Exception as exc:  # reported to the training process, which warns once
+            error = f"{type(exc).__name__}: {first_line(str(exc))}"
+        done = "compiled" if jit_only is None else f"compiled into the shared caches only ({jit_only})"
+        print(f"[kiln background] {job.region} {digest[:8]}: {error or done} in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+        # Plain values: the training process reads them without importing this module.
+        _write_frame(stdout, pickle.dumps((job.region, digest, error, jit_only)))
+
+
+if __name__ == "__main__":
+    main()
