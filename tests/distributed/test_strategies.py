@@ -5,13 +5,11 @@ resumed from checkpoints."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from local_launch import launch
+from local_launch import launch, run_plain
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve().parent
@@ -33,7 +31,7 @@ def start(processes, *args, env, timeout):
     command = [str(HERE / "train_worker.py"), *args]
     if processes > 1:
         return launch(command, processes, env=env, timeout=timeout)
-    return subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=timeout)
+    return run_plain(command, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
