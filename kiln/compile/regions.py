@@ -75,6 +75,7 @@ class CompiledRegion:
     jit_traces: int = 0  # Dynamo traces of the JIT entry (counted by the monitor)
     precompiled: PrecompiledRegion | None = field(repr=False, default=None)
     precompile_off: str | None = None  # why this region has no precompiled artifacts, when asked for
+    chosen_by: str = "the whole model"  # what decided the region: the user, the model's declaration, or search
 
     @property
     def instances(self) -> int:
@@ -144,9 +145,13 @@ def select_blocks(
     block_classes: Sequence[type | str] | None = None,
     block_paths: Sequence[str] | None = None,
 ) -> dict[type, list[str]]:
-    """The regions to compile: the user's choice when given, else `find_repeated_blocks`."""
+    """The regions to compile: the user's choice when given, else the block classes the model
+    declares (`_repeated_blocks`, as diffusers models do), else `find_repeated_blocks`."""
     if not block_classes and not block_paths:
-        return find_repeated_blocks(model)
+        declared = declared_blocks(model)
+        if not declared:
+            return find_repeated_blocks(model)
+        block_classes = declared
     modules = dict(model.named_modules())
     chosen: dict[type, list[str]] = {}
     for path in block_paths or ():
@@ -168,6 +173,28 @@ def select_blocks(
             if inner.startswith(outer + "."):
                 raise ValueError(f"region {inner!r} lies inside region {outer!r}; choose one of them")
     return {cls: sorted(set(paths), key=all_paths.index) for cls, paths in chosen.items()}
+
+
+def declared_blocks(model: nn.Module) -> list[str]:
+    """The class names a model lists as its repeated blocks (`_repeated_blocks`, the declaration
+    diffusers' `compile_repeated_blocks` reads) that it holds; names it lists but does not hold (a
+    small config without those blocks) are left out. Empty when it declares none."""
+    names = getattr(model, "_repeated_blocks", None)
+    if not names:
+        return []
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"{type(model).__name__}._repeated_blocks must be a list of class names, got {names!r}")
+    held = {c for m in model.modules() for c in (type(m).__name__, type(m).__qualname__)}
+    return [n for n in names if n in held]
+
+
+def chosen_by(model: nn.Module, block_classes: Any = None, block_paths: Any = None) -> str:
+    """What decided a model's regions, for the report."""
+    if block_classes or block_paths:
+        return "block_classes/block_paths"
+    if declared_blocks(model):
+        return f"the model's _repeated_blocks ({', '.join(declared_blocks(model))})"
+    return "found: repeated in a container"
 
 
 def compile_regions(
@@ -214,9 +241,11 @@ def compile_regions(
         return compile_full(model, recompile=recompile, precompile=precompile, **kwargs)
     modules = dict(model.named_modules())
     regions = []
+    source = chosen_by(model, block_classes, block_paths)
     for cls, paths in blocks.items():
         instances = [modules[p] for p in paths]
         regions.append(_compile_class(cls, instances, paths, "block", kwargs, recompile, precompile))
+        regions[-1].chosen_by = source
     _REGIONS[model] = regions
     if _uses_cudagraphs(kwargs):
         mark_cudagraph_steps(model)

@@ -43,6 +43,7 @@ class RegionReport:
     background_eager_calls: int = 0  # calls run eagerly while compiling in the background
     switch_step: int | None = None  # the optimizer step after which precompiled code took over
     switch_seconds: float | None = None
+    chosen_by: str = ""  # what decided the region: block_classes/paths, the model's _repeated_blocks, or search
 
     @property
     def silent(self) -> bool:
@@ -117,6 +118,8 @@ class CompileReport:
                 lines.append(f"{r.name}: precompiled: {note}")
             if r.precompile_off:
                 lines.append(f"{r.name}: not precompiled: {r.precompile_off}")
+            if r.chosen_by.startswith("the model's"):
+                lines.append(f"{r.name}: chosen by {r.chosen_by}")
         for note in self.settings:
             lines.append(f"setting: {note}")
         if self.artifact_cache:
@@ -147,6 +150,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 compiled_calls=region.calls,
                 eager_calls=region.eager_calls,
                 recompile_limit_hit=region.recompile_limit_hit,
+                chosen_by=region.chosen_by,
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()))

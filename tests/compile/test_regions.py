@@ -155,6 +155,58 @@ def test_user_can_name_block_classes_and_paths():
     assert region.name == "DecoderBlock" and region.calls == 3
 
 
+class _Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = EncoderBlock(8), EncoderBlock(8)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+class _Declaring(nn.Module):
+    """The search would pick the stages (repeated in a ModuleList); the model says its repeated
+    block is the one inside them, as diffusers models do (UNet stages hold the blocks)."""
+
+    _repeated_blocks = ["EncoderBlock", "NotInThisConfig"]
+
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(_Stage() for _ in range(2))
+
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+
+def test_a_models_own_declaration_of_its_repeated_blocks_decides():
+    from kiln.compile.report import compile_report
+
+    model = _Declaring()
+    assert find_repeated_blocks(model) == {_Stage: ["stages.0", "stages.1"]}
+    assert select_blocks(model) == {EncoderBlock: ["stages.0.first", "stages.0.second", "stages.1.first",
+                                                   "stages.1.second"]}
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():  # one signature for every block (with grad the first block's input differs)
+        expected = model(x)
+        compile_regions(model, **FAST)
+        torch.testing.assert_close(model(x), expected)
+    (region,) = compile_report(model).regions
+    assert region.name == "EncoderBlock" and region.instances == 4 and region.graphs == 1 and region.compiled_calls == 4
+    assert region.chosen_by == "the model's _repeated_blocks (EncoderBlock)"
+    assert "EncoderBlock: chosen by the model's _repeated_blocks (EncoderBlock)" in compile_report(model).table()
+    # The user's choice still wins over the model's.
+    assert select_blocks(_Declaring(), block_paths=["stages.0.first"]) == {EncoderBlock: ["stages.0.first"]}
+
+
+def test_a_malformed_declaration_is_a_type_error():
+    model = _Declaring()
+    model._repeated_blocks = "EncoderBlock"
+    with pytest.raises(TypeError, match="_repeated_blocks must be a list of class names"):
+        select_blocks(model)
+
+
 def test_unknown_block_class_lists_the_models_classes():
     with pytest.raises(ValueError, match=r"no module of class Nope.*DecoderBlock"):
         compile_regions(EncoderDecoder(), block_classes=["Nope"], **FAST)
