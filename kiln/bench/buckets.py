@@ -1,7 +1,7 @@
 """The shape-bucket suite of `kiln bench`: recompiles and time over one epoch of variable-length
 batches, with and without `BucketCollator`, under dynamic=False and dynamic=None.
 
-Depends on the standard library at import; the child side imports torch, transformers, kiln.buckets
+Depends on the standard library and kiln.bench.plan (rows) at import; the child side imports torch, transformers, kiln.buckets
 and kiln.compile (never the facade). Variants: static (dynamic=False, each batch padded to its
 longest sequence), static-buckets (dynamic=False, lengths padded up to a multiple of
 MULTIPLE_OF), dynamic and dynamic-buckets (the same with torch's default dynamic=None).
@@ -13,6 +13,8 @@ import random
 import statistics
 import time
 from typing import Any
+
+from kiln.bench.plan import measured
 
 VARIANTS = {"static": (False, False), "static-buckets": (False, True),
             "dynamic": (None, False), "dynamic-buckets": (None, True)}  # name: (dynamic, buckets)
@@ -137,8 +139,8 @@ def render(rows: list[dict[str, Any]]) -> str:
             "without compiled code (recompile limit hit), of all block calls. Steps are split into those that "
             "compiled a graph, those where a block ran eagerly, and the rest (steady). padding: share of the "
             f"epoch's tokens that were padding.\n\n{table(rows)}\n")
-    for r in rows:
-        if "error" not in r and "skipped" not in r and r["eager_calls"]:
+    for r in measured(rows):
+        if r["eager_calls"]:
             text += (f"\n{r['variant']} hit Dynamo's recompile limit ({r['recompile_limit']}): {r['eager_calls']} of "
                      f"{r['block_invocations']} block calls ran eagerly, without compiled code.\n")
     return text

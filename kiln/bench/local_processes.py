@@ -10,7 +10,7 @@ Measured: the wall time and CPU-seconds of the whole process tree (the launcher,
 their compiler subprocesses) and the first step's wall time (the slowest rank's). A variant's
 compile CPU-seconds are its CPU-seconds minus the eager row's at the same process count.
 
-Depends on the standard library and kiln.bench.child's result line (kiln.bench.run starts the
+Depends on the standard library, kiln.bench.plan (rows) and kiln.bench.child's result line (kiln.bench.run starts the
 launch); never imports torch (the children do).
 """
 
@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from kiln.bench.child import RESULT_PREFIX
+from kiln.bench.plan import measured
 
 # Issue 11's targets: precompiled-cold's compile CPU-seconds on 2 processes <= 1.3x on 1, and its
 # 2-process first step no slower than regional-cold's.
@@ -56,14 +57,11 @@ def combine(stdout: str, row: dict[str, Any]) -> dict[str, Any] | None:
     return result
 
 
-def _done(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if "error" not in r and "skipped" not in r]
-
 
 def compile_cpu_s(rows: list[dict[str, Any]]) -> dict[int, float]:
     """id(row) -> its CPU-seconds minus the eager row's at the same model and process count."""
-    eager = {(r["model"], r["processes"]): r["cpu_s"] for r in _done(rows) if r["variant"] == "eager"}
-    return {id(r): r["cpu_s"] - eager[(r["model"], r["processes"])] for r in _done(rows)
+    eager = {(r["model"], r["processes"]): r["cpu_s"] for r in measured(rows) if r["variant"] == "eager"}
+    return {id(r): r["cpu_s"] - eager[(r["model"], r["processes"])] for r in measured(rows)
             if r["variant"] != "eager" and (r["model"], r["processes"]) in eager}
 
 
@@ -73,7 +71,7 @@ def table(rows: list[dict[str, Any]]) -> str:
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         head = f"| {r['model']} | {r['variant']} | {r['processes']} |"
-        if r not in _done(rows):
+        if r not in measured(rows):
             lines.append(f"{head} {(r.get('error') or r.get('skipped'))[:80]} |" + " |" * 5)
             continue
         compile_cell = f"{extra[id(r)]:.1f}" if id(r) in extra else "-"
@@ -86,7 +84,7 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target the rows allow checking, as ratios of rows of the same run."""
     extra, checks = compile_cpu_s(rows), []
     for model in dict.fromkeys(r["model"] for r in rows):
-        by = {(r["variant"], r["processes"]): r for r in _done(rows) if r["model"] == model}
+        by = {(r["variant"], r["processes"]): r for r in measured(rows) if r["model"] == model}
         for variant in ("regional-cold", "precompiled-cold"):
             one, two = by.get((variant, 1)), by.get((variant, 2))
             if one and two and extra.get(id(one)) and id(two) in extra:

@@ -230,6 +230,11 @@ def build_rows(
     return rows
 
 
+def measured(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The result rows that hold a measurement: neither failed ("error") nor cut by the budget ("skipped")."""
+    return [r for r in rows if "error" not in r and "skipped" not in r]
+
+
 def check_choices(values: Iterable[str], choices: Iterable[str], what: str) -> list[str]:
     """`values` unchanged when each is one of `choices`, else a ValueError naming the bad ones."""
     values, choices = list(values), list(choices)

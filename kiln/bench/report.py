@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench import buckets, local_processes, startup, warm_start
-from kiln.bench.plan import METHODS
+from kiln.bench.plan import METHODS, measured
 
 # The issue's targets, checked on rows of the same run: same model, workload, batch and mode.
 REGIONAL_VS_ACCELERATE_COMPILE = 0.5  # Kiln regional compile s / Accelerate regional compile s
@@ -19,9 +19,6 @@ REGIONAL_VS_FULL_STEP = 1.02  # Kiln regional steady ms / full steady ms, at bat
 REGIONAL_VS_FULL_MEMORY = 1.05  # Kiln regional peak / full peak, at batch >= 4
 MIN_BATCH_FOR_STEP_TARGET = 4
 
-
-def _ok(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if "error" not in r and "skipped" not in r]
 
 
 def _case(row: dict[str, Any]) -> tuple:
@@ -47,7 +44,7 @@ def combine_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(key, []).append(r)
     combined = []
     for runs in groups.values():
-        ok = _ok(runs)
+        ok = measured(runs)
         if len(runs) == 1 or not ok:
             combined.append(runs[0])
             continue
@@ -63,8 +60,8 @@ def combine_repeats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def speedups(rows: list[dict[str, Any]]) -> dict[int, float]:
     """id(row) -> eager steady time over the row's, for rows whose case has an eager row."""
-    eager = {_case(r): r["steady_ms"] for r in _ok(rows) if r["method"] == "eager"}
-    return {id(r): eager[_case(r)] / r["steady_ms"] for r in _ok(rows) if _case(r) in eager and r["steady_ms"]}
+    eager = {_case(r): r["steady_ms"] for r in measured(rows) if r["method"] == "eager"}
+    return {id(r): eager[_case(r)] / r["steady_ms"] for r in measured(rows) if _case(r) in eager and r["steady_ms"]}
 
 
 def results_table(rows: list[dict[str, Any]]) -> str:
@@ -94,7 +91,7 @@ def results_table(rows: list[dict[str, Any]]) -> str:
 
 def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target the run's rows allow checking: the ratio, the limit and whether it was met."""
-    by = {(_case(r), r["method"], r.get("mode", "default")): r for r in _ok(rows)}
+    by = {(_case(r), r["method"], r.get("mode", "default")): r for r in measured(rows)}
     checks = []
 
     def add(target: str, case: tuple, mode: str, ratio: float, limit: float | None, detail: str) -> None:
@@ -143,7 +140,7 @@ def targets_table(checks: list[dict[str, Any]]) -> str:
 
 def describe_run(rows: list[dict[str, Any]]) -> str:
     """One paragraph naming what every row shares: versions, device, threads, dtype, backend, steps."""
-    done = _ok(rows)
+    done = measured(rows)
     if not done:
         return "No row finished."
     def values(key: str) -> str:
@@ -196,7 +193,7 @@ def plot(rows: list[dict[str, Any]], stem: Path) -> list[Path]:
     plt = pyplot()
     if plt is None:
         return []
-    done = sorted(_ok(rows), key=_sort_key)
+    done = sorted(measured(rows), key=_sort_key)
     if not done:
         return []
     paths = []
@@ -298,7 +295,7 @@ def _runs_numbered(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def describe_suite_run(rows: list[dict[str, Any]]) -> str:
     """What the rows of the warm-start and bucket suites share: model, versions, device, backend."""
-    done = _ok(rows) or rows
+    done = measured(rows) or rows
     def values(key: str) -> str:
         return "/".join(str(v) for v in dict.fromkeys(r.get(key) for r in done if r.get(key) is not None))
 

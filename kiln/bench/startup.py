@@ -2,7 +2,7 @@
 start: the first step (prepare, loading and compiling inside it) and the time to finish 20, 100, 400
 and 500 steps, for each way of starting.
 
-Depends on the standard library at import; the child side imports torch, transformers, Kiln's
+Depends on the standard library and kiln.bench.plan (rows) at import; the child side imports torch, transformers, Kiln's
 Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache folder holds, and how):
     eager                   no compile
     regional-cold           Kiln's regional compile, JIT, an empty folder (today's blocking start)
@@ -24,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from kiln.bench.plan import measured
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
             "precompiled-warm-copy", "background-cold", "accelerate-regional")
@@ -161,16 +163,13 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
     return result
 
 
-def _done(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in rows if "error" not in r and "skipped" not in r]
-
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | variant | first step s (prepare + step) | overhead s | to 20 steps s | to 100 s | to 400 s | "
              "to 500 s | to 2000 s | steady ms | ran | traces | switched after step |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |"]
     for r in rows:
-        if r not in _done(rows):
+        if r not in measured(rows):
             lines.append(f"| {r['model']} | {r['variant']} | {r.get('error', r.get('skipped'))[:80]} |" + " |" * 10)
             continue
         def cell(key: str) -> str:
@@ -186,7 +185,7 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 11's CPU targets, per model, as ratios of rows measured in the same run."""
     checks = []
     for model in dict.fromkeys(r["model"] for r in rows):
-        by = {r["variant"]: r for r in _done(rows) if r["model"] == model}
+        by = {r["variant"]: r for r in measured(rows) if r["model"] == model}
 
         def check(name: str, value: float, limit: float) -> None:
             checks.append({"target": f"{model}: {name} <= {limit}", "value": round(value, 3), "limit": limit,
@@ -232,7 +231,7 @@ def progress(result: dict[str, Any]) -> str:
 def plot(rows: list[dict[str, Any]], stem: Path, plt: Any) -> list[Path]:
     """`<stem>_startup.png`: seconds from process start to each step milestone, one line per
     variant, one panel per model."""
-    done = _done(rows)
+    done = measured(rows)
     models = list(dict.fromkeys(r["model"] for r in done))
     if not models:
         return []

@@ -1,7 +1,7 @@
 """The warm-start suite of `kiln bench`: the first training step of a regional-compiled model when
 Kiln's compile cache folder holds nothing, part of an earlier run's files, or all of them.
 
-Depends on the standard library at import; the child side imports torch, transformers and
+Depends on the standard library and kiln.bench.plan (rows) at import; the child side imports torch, transformers and
 kiln.compile (never the facade). Variants (what lies in the cache folder as the process starts):
     cold                    nothing; it saves its entry, which the other variants start from
     warm-inductor-dir-only  a copy of cold's Inductor folder, no Kiln entry (so no artifact load)
@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from kiln.bench.plan import measured
 
 VARIANTS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
             "warm-precompiled", "warm-precompiled-copy")
@@ -166,9 +168,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """warm / cold (load + first step, medians over runs) against TARGET_RATIO, per warm variant."""
     by_variant: dict[str, list[float]] = {}
-    for r in rows:
-        if "error" not in r and "skipped" not in r:
-            by_variant.setdefault(r["variant"], []).append(r["first_s"])
+    for r in measured(rows):
+        by_variant.setdefault(r["variant"], []).append(r["first_s"])
     if "cold" not in by_variant:
         return []
     cold = statistics.median(by_variant["cold"])
@@ -176,9 +177,8 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                "limit": TARGET_RATIO, "met": statistics.median(v) / cold <= TARGET_RATIO}
               for variant, v in by_variant.items() if variant not in ("cold", "cold-precompile")]
     overheads: dict[str, list[float]] = {}
-    for r in rows:
-        if "error" not in r and "skipped" not in r:
-            overheads.setdefault(r["variant"], []).append(r["compile_s"])
+    for r in measured(rows):
+        overheads.setdefault(r["variant"], []).append(r["compile_s"])
     cold_overhead = statistics.median(overheads["cold"])
     for variant in ("warm-precompiled", "warm-precompiled-copy"):
         if variant in overheads:
@@ -190,8 +190,7 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    done = [r for r in rows if "error" not in r and "skipped" not in r]
-    losses = {tuple(r["losses"]) for r in done}
+    losses = {tuple(r["losses"]) for r in measured(rows)}
     same = "Every process computed the same losses." if len(losses) == 1 else \
         "Note: the processes' losses differ."
     checks = "\n".join(f"- {c['target']}: {c['value']} ({'met' if c['met'] else 'missed'})" for c in target_checks(rows))

@@ -1,6 +1,5 @@
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,15 +12,10 @@ from kiln.cli import main
 from kiln.cli.config import ask
 from kiln.cli.launch import build_command
 from kiln.cli.settings import load_config_file, process_environment, resolve
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).resolve().parent / "launch_probe.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kiln(*args, timeout=300, **popen):

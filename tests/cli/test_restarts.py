@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_launch import free_port, kiln
+from ports import free_port
+from test_launch import kiln
 
 pytestmark = pytest.mark.multiprocess
 SCRIPT = Path(__file__).resolve().parent / "restart_script.py"

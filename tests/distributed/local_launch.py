@@ -16,11 +16,12 @@ import atexit
 import multiprocessing
 import os
 import runpy
-import socket
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from ports import free_port
 
 GRACE_S = 20.0  # after a process fails, the others get this long to fail too (a collective waits for it)
 
@@ -32,12 +33,6 @@ class Done:
     returncode: int
     stdout: str
     stderr: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[str], processes: int, env: dict[str, str], timeout: float) -> Done:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from local_launch import free_port
+from ports import free_port
 
 pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).resolve().parent
