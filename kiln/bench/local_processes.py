@@ -57,7 +57,6 @@ def combine(stdout: str, row: dict[str, Any]) -> dict[str, Any] | None:
     return result
 
 
-
 def compile_cpu_s(rows: list[dict[str, Any]]) -> dict[int, float]:
     """id(row) -> its CPU-seconds minus the eager row's at the same model and process count."""
     eager = {(r["model"], r["processes"]): r["cpu_s"] for r in measured(rows) if r["variant"] == "eager"}

@@ -20,7 +20,6 @@ REGIONAL_VS_FULL_MEMORY = 1.05  # Kiln regional peak / full peak, at batch >= 4
 MIN_BATCH_FOR_STEP_TARGET = 4
 
 
-
 def _case(row: dict[str, Any]) -> tuple:
     return (row["model"], row["workload"], row["batch"])
 

@@ -29,7 +29,6 @@ from kiln.bench.plan import measured
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
             "precompiled-warm-copy", "background-cold", "accelerate-regional")
-BUSY_VARIANTS = ("busy-eager", "busy-regional-cold", "busy-background-cold")
 BUSY = "busy-"
 MILESTONES = (20, 100, 400, 500, 2000)
 # Background rows train 4x the steps (2000 for the plan's 500): on 2 cores the helper's compile

@@ -117,11 +117,16 @@ class as_class:
         return False
 
 
-class autocast_off:
-    """Switch off the given autocast regions (at most one per device type)."""
+def _dtype(name: str) -> torch.dtype:
+    """A dtype from its name in a call signature ("torch.bfloat16")."""
+    return getattr(torch, name.replace("torch.", ""))
 
-    def __init__(self, state: tuple) -> None:
-        self.contexts = [torch.autocast(device_type, enabled=False) for device_type, _ in state]
+
+class _autocast_regions:
+    """Enter several autocast contexts (at most one per device type) as one."""
+
+    def __init__(self, contexts: list) -> None:
+        self.contexts = contexts
 
     def __enter__(self):
         for context in self.contexts:
@@ -133,26 +138,23 @@ class autocast_off:
         return False
 
 
-class autocast_on:
+class autocast_off(_autocast_regions):
+    """Switch off the given autocast regions (a call signature's autocast state)."""
+
+    def __init__(self, state: tuple) -> None:
+        super().__init__([torch.autocast(device_type, enabled=False) for device_type, _ in state])
+
+
+class autocast_on(_autocast_regions):
     """Enter the given autocast regions (a call signature's autocast state): the background
     helper's JIT compile runs the region the way the training process's JIT path calls it."""
 
     def __init__(self, state: tuple) -> None:
-        self.contexts = [torch.autocast(device_type, dtype=getattr(torch, dtype.replace("torch.", "")))
-                         for device_type, dtype in state]
-
-    def __enter__(self):
-        for context in self.contexts:
-            context.__enter__()
-
-    def __exit__(self, *exc):
-        for context in reversed(self.contexts):
-            context.__exit__(*exc)
-        return False
+        super().__init__([torch.autocast(device_type, dtype=_dtype(dtype)) for device_type, dtype in state])
 
 
 def with_autocast(forward: Callable, state: tuple, label: str) -> Callable:
-    dtypes = [(device_type, getattr(torch, dtype.replace("torch.", ""))) for device_type, dtype in state]
+    dtypes = [(device_type, _dtype(dtype)) for device_type, dtype in state]
     if len(dtypes) == 1:
         (device_type, dtype), = dtypes
 

@@ -208,24 +208,22 @@ class PrecompiledRegion:
         for signature, (digest, _) in list(self._pending.items()):
             if signature in self._ready:
                 continue
-            why_jit = None
             if self.background is not None:
                 finished, outcome = self.background.status(self.name, digest)
-                if outcome is not None and outcome.error is not None:
-                    abandoned = self.background.abandoned
-                    why_jit = (f"compiled in the foreground instead ({abandoned})" if outcome.error == abandoned
-                               else f"the background compile failed ({outcome.error})")
-                elif outcome is not None and outcome.jit_only is not None:
-                    why_jit = (f"it cannot be compiled ahead of time here ({outcome.jit_only}); the helper "
-                               "compiled it into the shared compile caches")
+                error, jit_only = (outcome.error, outcome.jit_only) if outcome is not None else (None, None)
             else:  # another local process's helper compiles it: watch the folder
-                reason = self._jit_only_reason(signature)
-                finished = reason is not None or self._path(signature).exists()
-                if reason is not None:
-                    why_jit = (f"it cannot be compiled ahead of time here ({reason}); the helper compiled it "
-                               "into the shared compile caches")
+                error, jit_only = None, self._jit_only_reason(signature)
+                finished = jit_only is not None or self._path(signature).exists()
             if not finished:
                 continue
+            why_jit = None
+            if error is not None:
+                abandoned = self.background.abandoned
+                why_jit = (f"compiled in the foreground instead ({abandoned})" if error == abandoned
+                           else f"the background compile failed ({error})")
+            elif jit_only is not None:
+                why_jit = (f"it cannot be compiled ahead of time here ({jit_only}); the helper compiled it "
+                           "into the shared compile caches")
             if self.stats.switch_step is None:
                 self.stats.switch_step = step
                 self.stats.switch_seconds = round(time.perf_counter() - self._first_sent, 3)

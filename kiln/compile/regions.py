@@ -192,9 +192,8 @@ def chosen_by(model: nn.Module, block_classes: Any = None, block_paths: Any = No
     """What decided a model's regions, for the report."""
     if block_classes or block_paths:
         return "block_classes/block_paths"
-    if declared_blocks(model):
-        return f"the model's _repeated_blocks ({', '.join(declared_blocks(model))})"
-    return "found: repeated in a container"
+    declared = declared_blocks(model)
+    return f"the model's _repeated_blocks ({', '.join(declared)})" if declared else "found: repeated in a container"
 
 
 def compile_regions(

@@ -75,9 +75,8 @@ def run_plain(args: list[str], env: dict[str, str], timeout: float) -> Done:
         proc = _start(args, dict(env), out, err)
         proc.join(timeout)
         if proc.exitcode is None:
-            proc.kill()
+            proc.kill()  # its exit code is then -9 (SIGKILL)
             proc.join()
-            return Done(-9, _read(out), _read(err))
         return Done(proc.exitcode, _read(out), _read(err))
 
 
