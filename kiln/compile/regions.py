@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kiln.compile.backend import TrackedBackend, resolve_backend
+from kiln.compile.groups import describe_difference, group_instances, shares_code
 from kiln.compile.monitor import MONITOR, check_recompile_policy
 from kiln.compile.aot_workarounds import renamed
 from kiln.compile.precompiled import EAGER, PrecompiledRegion, unsupported_reason
@@ -76,6 +77,8 @@ class CompiledRegion:
     precompiled: PrecompiledRegion | None = field(repr=False, default=None)
     precompile_off: str | None = None  # why this region has no precompiled artifacts, when asked for
     chosen_by: str = "the whole model"  # what decided the region: the user, the model's declaration, or search
+    group: tuple[int, int] = (1, 1)  # (this group, the class's groups): instances split by their graphs
+    group_differs: str = ""  # how this group's instances differ from the class's first group
 
     @property
     def instances(self) -> int:
@@ -115,7 +118,10 @@ def find_repeated_blocks(model: nn.Module) -> dict[type, list[str]]:
     """Block classes that appear two or more times in one container, with their module paths.
 
     Looks in every `nn.ModuleList`, `nn.Sequential` and `nn.ModuleDict`, at any depth, and does not
-    look inside a block once chosen (no region inside a region). torch's own layers are skipped.
+    look inside a block once chosen (no region inside a region). torch's own layers are skipped, and
+    so are classes whose instances there all differ in what their graphs depend on (a UNet's
+    down-sampling stages, each of its own width): a region for them would save no compile, so the
+    search looks inside them instead (kiln/compile/groups.py).
 
     >>> find_repeated_blocks(gpt2)  # {GPT2Block: ['transformer.h.0', ..., 'transformer.h.11']}
     """
@@ -124,12 +130,13 @@ def find_repeated_blocks(model: nn.Module) -> dict[type, list[str]]:
     def visit(module: nn.Module, prefix: str) -> None:
         chosen: set[str] = set()
         if isinstance(module, CONTAINERS):
+            children = dict(module.named_children())
             by_class: dict[type, list[str]] = {}
-            for name, child in module.named_children():
+            for name, child in children.items():
                 if not is_builtin_module(child):
                     by_class.setdefault(type(child), []).append(name)
             for cls, names in by_class.items():
-                if len(names) >= 2:
+                if len(names) >= 2 and shares_code([children[n] for n in names]):
                     found.setdefault(cls, []).extend(_join(prefix, n) for n in names)
                     chosen.update(names)
         for name, child in module.named_children():
@@ -167,7 +174,8 @@ def select_blocks(
                              f"its own classes are: {', '.join(present)}")
         for path in paths:
             chosen.setdefault(type(modules[path]), []).append(path)
-    all_paths = sorted({p for ps in chosen.values() for p in ps})
+    order = {path: i for i, path in enumerate(modules)}  # model order: blocks.2 before blocks.10
+    all_paths = sorted({p for ps in chosen.values() for p in ps}, key=order.__getitem__)
     for outer in all_paths:
         for inner in all_paths:
             if inner.startswith(outer + "."):
@@ -242,9 +250,14 @@ def compile_regions(
     regions = []
     source = chosen_by(model, block_classes, block_paths)
     for cls, paths in blocks.items():
-        instances = [modules[p] for p in paths]
-        regions.append(_compile_class(cls, instances, paths, "block", kwargs, recompile, precompile))
-        regions[-1].chosen_by = source
+        groups = group_instances([modules[p] for p in paths], paths)
+        for number, group in enumerate(groups, 1):
+            name = _class_label(cls) + (f"#{number}" if len(groups) > 1 else "")
+            region = _compile_class(cls, group.modules, group.paths, "block", kwargs, recompile, precompile, name)
+            region.chosen_by = source
+            region.group = (number, len(groups))
+            region.group_differs = describe_difference(group, groups[0]) if number > 1 else ""
+            regions.append(region)
     _REGIONS[model] = regions
     if _uses_cudagraphs(kwargs):
         mark_cudagraph_steps(model)
@@ -297,14 +310,16 @@ def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
 
 def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind: str,
                    kwargs: dict[str, Any], recompile: str,
-                   precompile: str | os.PathLike | None = None) -> CompiledRegion:
+                   precompile: str | os.PathLike | None = None, name: str | None = None) -> CompiledRegion:
+    """Compile one entry for `instances` (one class, or one group of its instances: `name` then
+    says which, "ResnetBlock2D#2") and bind it as their forward."""
     forward = _forward_to_compile(cls, instances, paths)
     all_kwargs = kwargs
     kwargs = dict(kwargs)
     backend = kwargs.pop("backend", "inductor")
     mode = kwargs.pop("mode", None)
     options = kwargs.pop("options", None)
-    name = _class_label(cls)
+    name = name or _class_label(cls)
     label = _unique_label(name)
     tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
     entry = _region_entry(forward, label)

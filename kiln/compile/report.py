@@ -44,6 +44,10 @@ class RegionReport:
     switch_step: int | None = None  # the optimizer step after which precompiled code took over
     switch_seconds: float | None = None
     chosen_by: str = ""  # what decided the region: block_classes/paths, the model's _repeated_blocks, or search
+    block_class: str = ""  # the class whose instances share this region's code
+    group: tuple[int, int] = (1, 1)  # (this group, the class's groups): kiln/compile/groups.py
+    group_differs: str = ""  # how this group's instances differ from the class's first group
+    paths: list[str] = field(default_factory=list)  # the instances, as module paths
 
     @property
     def silent(self) -> bool:
@@ -120,6 +124,12 @@ class CompileReport:
                 lines.append(f"{r.name}: not precompiled: {r.precompile_off}")
             if r.chosen_by.startswith("the model's"):
                 lines.append(f"{r.name}: chosen by {r.chosen_by}")
+            if r.group[0] == 1 and r.group[1] > 1:
+                lines.append(f"{r.block_class}: {r.group[1]} groups of instances whose graphs differ "
+                             "(parameter shapes, submodules, flags), one compiled entry each")
+            elif r.group_differs:
+                lines.append(f"{r.name}: {r.instances} instance(s) ({', '.join(r.paths[:2])}"
+                             f"{', ...' if r.instances > 2 else ''}); unlike #1: {r.group_differs}")
         for note in self.settings:
             lines.append(f"setting: {note}")
         if self.artifact_cache:
@@ -151,6 +161,10 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 eager_calls=region.eager_calls,
                 recompile_limit_hit=region.recompile_limit_hit,
                 chosen_by=region.chosen_by,
+                block_class=region.block_class.__qualname__,
+                group=region.group,
+                group_differs=region.group_differs,
+                paths=list(region.paths),
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()))
