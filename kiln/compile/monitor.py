@@ -138,7 +138,7 @@ class CompileMonitor:
             )
 
     def apply_policy(self, region: Watched, reason: str) -> None:
-        if region.recompile_policy == "allow":
+        if region.recompile_policy == "allow" or is_mode_switch(reason):
             return
         message = f"compiled region {region.name} recompiled after warm-up: {reason}"
         if region.recompile_policy == "error":
@@ -146,6 +146,14 @@ class CompileMonitor:
         if reason not in region.warned:
             region.warned.add(reason)
             warnings.warn(message, KilnRecompileWarning, stacklevel=5)
+
+
+def is_mode_switch(reason: str) -> bool:
+    """True for a recompile caused only by grad mode or train/eval (a validation pass under no_grad
+    after training): one graph per mode, met once, not the shape churn the recompile policy is for.
+    Dynamo words these "GLOBAL_STATE changed: grad_mode" and a guard on a module's `training`."""
+    lines = [line for line in reason.splitlines() if line.strip()]
+    return bool(lines) and all("grad_mode" in line or ".training" in line for line in lines)
 
 
 def _compilation_metrics() -> list[Any]:

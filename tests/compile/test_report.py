@@ -109,6 +109,19 @@ def test_recompile_after_warmup_meets_the_policy(policy):
     assert [r.recompiles for r in acc.compile_report().regions] == expected
 
 
+def test_validation_under_no_grad_after_warmup_is_no_recompile_to_warn_about():
+    acc = Accelerator(dynamo_plugin=_plugin(recompile="error"))
+    model = EncoderDecoder()
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    _train_step(model, optimizer, acc, length=3)
+    _train_step(model, optimizer, acc, length=3)
+    with no_kiln_warnings(), torch.no_grad():  # a new grad mode: a graph of its own, once, no error
+        model(torch.randn(2, 3, 8))
+    assert all("grad_mode" in r.recompile_reasons[-1] for r in acc.compile_report().regions)
+    with pytest.raises(KilnRecompileError, match="size mismatch"), torch.no_grad():  # shapes still count
+        model(torch.randn(2, 4, 8))
+
+
 def test_silent_region_is_called_out_after_the_first_step():
     acc = Accelerator(dynamo_plugin=_plugin())
     model = EncoderDecoder()
