@@ -1,6 +1,7 @@
 """Checkpoints: model weights with clean keys (weights.py), whole training states that survive a
-crash and resume on another number of processes (training_state.py, sharded.py), their integrity
-checks (integrity.py) and the Accelerator's save_state/load_state side (api.py).
+crash and resume on another number of processes (training_state.py, sharded.py), folders that
+Accelerate's save_state wrote (accelerate_folder.py), their integrity checks (integrity.py) and the
+Accelerator's save_state/load_state side (api.py).
 
 Depends on torch and safetensors at import; never on the facade or the compile package.
 """

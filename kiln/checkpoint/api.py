@@ -107,7 +107,10 @@ class CheckpointAPI:
         also a KilnResumeWarning then, says which RNG states were restored and which derived, and
         how dataloader positions were mapped. Positions come back only with
         `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches.
-        `strict=False`: model weights may miss names or hold extra ones."""
+        `strict=False`: model weights may miss names or hold extra ones.
+
+        A folder written by Accelerate's `save_state` (one process or DDP) loads too, into the objects
+        prepared in the same order as the Accelerate script prepared them (docs/checkpoints.md)."""
         if input_dir is None:
             number, input_dir = latest_checkpoint(self.project_configuration)
             self.project_configuration.iteration = number + 1

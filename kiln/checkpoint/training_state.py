@@ -162,7 +162,8 @@ class LoadReport:
 
     rng_restored: the process indices whose saved RNG states were restored; rng_derived: those
     that had none saved (more processes than the save) and got states derived from process 0's
-    and their index; data: how each stateful dataloader's position was mapped, if it was."""
+    and their index; data: how each stateful dataloader's position was mapped, if it was; notes:
+    anything else said about the load (for a folder Accelerate wrote, what was renamed or left out)."""
 
     folder: str
     saved_processes: int
@@ -170,10 +171,11 @@ class LoadReport:
     rng_restored: list[int] = field(default_factory=list)
     rng_derived: list[int] = field(default_factory=list)
     data: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"loaded {self.folder}: saved by {self.saved_processes} process(es), loaded by {self.processes}",
-                 f"RNG states restored for process(es) {self.rng_restored or 'none'}"]
+                 *self.notes, f"RNG states restored for process(es) {self.rng_restored or 'none'}"]
         if self.rng_derived:
             lines.append(f"RNG states derived from process 0's for process(es) {self.rng_derived}")
         lines += [f"dataloader {line}" for line in self.data]
@@ -191,8 +193,20 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
 
     Each of `load_hooks` is called first as `hook(models, folder)`; the models it pops from
     `models` (having loaded them itself) are not loaded again. `strict=False` lets model weights
-    miss names or hold extra ones (as `load_state_dict(strict=False)`)."""
+    miss names or hold extra ones (as `load_state_dict(strict=False)`).
+
+    A folder without Kiln's manifest that Accelerate's `save_state` wrote is read by
+    kiln.checkpoint.accelerate_folder, into the same objects, with the same checks."""
     folder = Path(input_dir)
+    if not (folder / MANIFEST).is_file():
+        # Imported here: accelerate_folder builds on this module's LoadReport and RNG helpers.
+        from kiln.checkpoint.accelerate_folder import is_accelerate_folder, load_accelerate_folder
+
+        if is_accelerate_folder(folder):
+            return load_accelerate_folder(folder, models=models, strategy=strategy, optimizers=optimizers,
+                                          schedulers=schedulers, dataloaders=dataloaders, custom=custom,
+                                          scaler=scaler, process_index=process_index, num_processes=num_processes,
+                                          load_hooks=load_hooks, strict=strict)
     manifest = read_manifest(folder)
     models = list(models)
     for hook in load_hooks:
@@ -306,12 +320,16 @@ def _read_optimizer(folder: Path, index: int, optimizer: Any) -> dict[str, Any]:
     return state
 
 
-def _rng_for(folder: Path, process_index: int, saved_processes: int) -> dict[str, Any]:
+def _rng_for(folder: Path, process_index: int, saved_processes: int,
+             reader: Callable[[Path], dict[str, Any]] | None = None) -> dict[str, Any]:
     """This process's saved RNG states; for a process index the save did not have, states seeded
-    from process 0's and the index, the same in every run resumed from this checkpoint."""
+    from process 0's and the index, the same in every run resumed from this checkpoint. `reader`
+    turns a `random_states_{i}.pkl` into Kiln's states (default: Kiln's own pickle)."""
+    if reader is None:
+        reader = functools.partial(read, reader=_unpickle)
     if process_index < saved_processes:
-        return read(folder / f"random_states_{process_index}.pkl", _unpickle)
-    base = read(folder / "random_states_0.pkl", _unpickle)
+        return reader(folder / f"random_states_{process_index}.pkl")
+    base = reader(folder / "random_states_0.pkl")
     digest = hashlib.sha256(base["torch"].numpy().tobytes() + process_index.to_bytes(8, "little")).digest()
     return _seeded_rng_state(int.from_bytes(digest[:8], "little"), base)
 
