@@ -80,6 +80,8 @@ bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --plan startup --out benchmarks/results --name kiln_bench_startup_cpu
 	$(VENV)/bin/kiln bench --plan local-processes --out benchmarks/results --name kiln_bench_local_processes_cpu
 	$(VENV)/bin/kiln bench --plan buckets --out benchmarks/results --name kiln_bench_buckets_cpu
+	$(VENV)/bin/kiln bench --plan diffusion --backend aot_eager --out benchmarks/results --name kiln_bench_diffusion_aot_eager_cpu
+	$(VENV)/bin/kiln bench --plan diffusion --out benchmarks/results --name kiln_bench_diffusion_cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.bench.plan import MODEL_SIZES
+from kiln.bench.plan import DIFFUSION_MODELS, MODEL_SIZES
 from kiln.compile.cache_key import cpu_model
 
 
@@ -90,11 +90,17 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     if row.get("threads"):
         torch.set_num_threads(row["threads"])
     cuda = row["device"] == "cuda"
-    model, config, ids = build_model(row)
+    diffusion = row["model"] in DIFFUSION_MODELS
+    if diffusion:
+        from kiln.bench.diffusion import build_unet, make_unet_step
+
+        model, config, inputs = build_unet(row)
+    else:
+        model, config, inputs = build_model(row)
     # Train or eval before compiling: Accelerate's regional compile copies the model's modules'
     # attributes, flags included, and a later switch would also recompile.
     model.train(row["workload"] == "train")
-    if row["workload"] == "train":
+    if row["workload"] == "train" and not diffusion:
         # transformers 5 picks the loss inside forward through a logger.warning_once that breaks a
         # full-model graph (DESIGN.md pitfalls); fixing the loss type up front avoids it.
         model.loss_type = "ForCausalLM"
@@ -102,7 +108,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     run_model = apply_method(model, row)  # lazy everywhere: the compiling happens in the first step
     apply_s = time.perf_counter() - t0
-    step = make_step(run_model, model, ids, row)
+    step = (make_unet_step if diffusion else make_step)(run_model, model, inputs, row)
 
     def timed() -> float:
         if cuda:
@@ -134,10 +140,14 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         compiled_frames_per_step=frames_per_step,
         torch=torch.__version__, transformers=transformers.__version__,
         device_name=torch.cuda.get_device_name() if cuda else cpu_model(),
-        threads=torch.get_num_threads(), attn_implementation=config._attn_implementation,
+        threads=torch.get_num_threads(), attn_implementation=getattr(config, "_attn_implementation", None),
     )
     result.update(dynamo_facts(graphs_after_first))
     result.update(kiln_facts(model) if row["method"] in ("full", "regional") else {})
+    if diffusion:
+        import diffusers
+
+        result["diffusers"] = diffusers.__version__
     if row["method"].startswith("accelerate"):
         import accelerate
 

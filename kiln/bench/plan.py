@@ -33,6 +33,22 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256),
 }
 
+# diffusers UNets with random weights (kiln.bench.diffusion): Stable Diffusion 1.5's block layout
+# (4 down and 4 up blocks, 2 resnets a block, cross-attention at three levels) at small widths, and
+# an unconditional UNet2DModel. A row's `seq` is the latent's side. Their blocks change width from
+# level to level, so each block class splits into groups (kiln/compile/groups.py).
+DIFFUSION_MODELS: dict[str, dict[str, Any]] = {
+    "sd-unet": dict(in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(32, 64, 128, 128),
+                    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+                    norm_num_groups=16, cross_attention_dim=64, attention_head_dim=8),
+    "unet2d": dict(in_channels=3, out_channels=3, layers_per_block=2, block_out_channels=(32, 64, 64, 128),
+                   down_block_types=("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+                   up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
+                   norm_num_groups=16),
+}
+ALL_MODELS = (*MODEL_SIZES, *DIFFUSION_MODELS)
+
 # DESIGN.md's H200 table: 256 tokens for inference, 512 for a training step.
 GPU_SEQ = {"infer": 256, "train": 512}
 
@@ -133,6 +149,13 @@ PLANS: dict[str, list[Group]] = {
     # Logic checks in seconds with backend aot_eager; the GPU script's --device cpu path uses it.
     "tiny": [
         Group(["tiny"], ["infer", "train"], [2], list(METHODS), seq={"infer": 32, "train": 32}, steps=3),
+    ],
+    # diffusers UNets: a training step compiled whole and regionally (the SD UNet's regions are the
+    # blocks it declares, the UNet2DModel's those Kiln finds), about 6 minutes with Inductor on 2
+    # cores; `--backend aot_eager` measures the same rows without code generation.
+    "diffusion": [
+        Group(["sd-unet", "unet2d"], ["train"], [2], ["eager", "full", "regional"],
+              seq={"infer": 32, "train": 32}, steps=10),
     ],
     # Kiln's compile cache between job starts: a cold regional training step, then three fresh
     # processes starting from part or all of its cache folder (about 2 minutes on 2 cores).

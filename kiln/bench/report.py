@@ -17,6 +17,7 @@ from kiln.bench.plan import METHODS, measured
 REGIONAL_VS_ACCELERATE_COMPILE = 0.5  # Kiln regional compile s / Accelerate regional compile s
 REGIONAL_VS_FULL_STEP = 1.02  # Kiln regional steady ms / full steady ms, at batch >= 4
 REGIONAL_VS_FULL_MEMORY = 1.05  # Kiln regional peak / full peak, at batch >= 4
+REGIONAL_VS_FULL_COMPILE = 0.6  # Kiln regional compile s / full compile s (the diffusion issue's)
 MIN_BATCH_FOR_STEP_TARGET = 4
 
 
@@ -107,6 +108,10 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 regional["compile_s"] / accelerate["compile_s"], REGIONAL_VS_ACCELERATE_COMPILE,
                 f"{regional['compile_s']:.1f} s vs {accelerate['compile_s']:.1f} s")
         full = by.get((case, "full", mode))
+        if full and full["compile_s"] > 0:
+            add("regional compile / full compile", case, mode, regional["compile_s"] / full["compile_s"],
+                REGIONAL_VS_FULL_COMPILE, f"{regional['compile_s']:.1f} s vs {full['compile_s']:.1f} s "
+                f"({regional.get('kiln_graphs', '?')} vs {full.get('kiln_graphs', '?')} graphs)")
         if full and case[2] >= MIN_BATCH_FOR_STEP_TARGET:
             add("regional steady step / full steady step", case, mode,
                 regional["steady_ms"] / full["steady_ms"], REGIONAL_VS_FULL_STEP,
@@ -145,11 +150,14 @@ def describe_run(rows: list[dict[str, Any]]) -> str:
     def values(key: str) -> str:
         return "/".join(str(v) for v in dict.fromkeys(r.get(key) for r in done if r.get(key) is not None))
 
-    accelerate = values("accelerate")
-    return (f"Llama-style causal LMs with random weights, {values('dtype')}, backend {values('backend')}, "
+    accelerate, diffusers = values("accelerate"), values("diffusers")
+    kinds = " and ".join(k for k, present in (("Llama-style causal LMs", any(not r.get("diffusers") for r in done)),
+                                               ("diffusers UNets", bool(diffusers))) if present)
+    return (f"{kinds} with random weights, {values('dtype')}, backend {values('backend')}, "
             f"median of {values('steps')} steady steps after {values('warmup')} warm-up steps; "
             f"torch {values('torch')}, transformers {values('transformers')}"
-            f"{', accelerate ' + accelerate if accelerate else ''}; {values('device_name')}, "
+            f"{', accelerate ' + accelerate if accelerate else ''}{', diffusers ' + diffusers if diffusers else ''}; "
+            f"{values('device_name')}, "
             f"{values('threads')} threads. Each row is a fresh process with an empty compiler cache; "
             f"compile s = first step - median steady step.")
 

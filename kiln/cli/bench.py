@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln.bench.plan import (ACCELERATE_METHODS, METHODS, MODEL_SIZES, MODES, PLANS, SUITE_VARIANTS, WORKLOADS,
+from kiln.bench.plan import (ACCELERATE_METHODS, ALL_MODELS, METHODS, MODES, PLANS, SUITE_VARIANTS, WORKLOADS,
                              build_rows, check_choices)
 from kiln.bench.report import load_rows, write_results
 from kiln.bench.run import progress_head, progress_tail, run_rows
@@ -47,7 +47,7 @@ def add_parser(commands: Any) -> None:
                         help="comma list replacing a suite plan's variants: "
                              + "; ".join(f"{suite}: {', '.join(v)}" for suite, v in SUITE_VARIANTS.items() if suite != "compile"))
     parser.add_argument("--models", type=_list, default=None,
-                        help=f"comma list replacing the plan's models: {', '.join(MODEL_SIZES)}")
+                        help=f"comma list replacing the plan's models: {', '.join(ALL_MODELS)}")
     parser.add_argument("--workloads", type=_list, default=None, help=f"comma list of {', '.join(WORKLOADS)}")
     parser.add_argument("--batch-sizes", type=_int_list, default=None, help="comma list, e.g. 1,4,16")
     parser.add_argument("--methods", type=_list, default=None, help=f"comma list of {', '.join(METHODS)}")
@@ -98,7 +98,7 @@ def plan_rows(args: argparse.Namespace, device: str, with_accelerate: bool) -> l
     import torch
 
     if args.models:
-        check_choices(args.models, MODEL_SIZES, "model")
+        check_choices(args.models, ALL_MODELS, "model")
     if args.workloads:
         check_choices(args.workloads, WORKLOADS, "workload")
     if args.methods:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.bench.plan import PLANS, Row, build_rows
 from kiln.bench.report import combine_repeats, results_table, target_checks, write_results
@@ -120,8 +121,12 @@ def test_target_checks_compare_rows_of_the_same_case_and_say_met_or_missed():
     rows = [fake_row("eager", 0.0, 40.0, 380), fake_row("full", 40.0, 30.0, 500),
             fake_row("regional", 20.0, 30.3, 520), fake_row("accelerate-regional", 50.0, 31.0, 510),
             fake_row("regional", 10.0, 9.0, 450, batch=1), fake_row("full", 30.0, 6.0, 460, batch=1)]
-    checks = {(c["target"].split()[1], c["batch"]): c for c in target_checks(rows)}
+    checks = {(c["target"].split()[1], c["batch"]): c for c in target_checks(rows)
+              if c["target"] != "regional compile / full compile"}
     assert checks[("compile", 4)]["ratio"] == 0.4 and checks[("compile", 4)]["verdict"] == "met"
+    versus_full = {c["batch"]: c for c in target_checks(rows) if c["target"] == "regional compile / full compile"}
+    assert versus_full[4]["ratio"] == 0.5 and versus_full[4]["verdict"] == "met"  # 20 s / 40 s <= 0.6
+    assert versus_full[1]["ratio"] == 0.333 and versus_full[1]["verdict"] == "met"
     assert checks[("steady", 4)]["verdict"] == "met"  # 30.3 / 30.0 = 1.01
     assert checks[("peak", 4)]["ratio"] == 1.04 and checks[("peak", 4)]["verdict"] == "met"
     assert ("steady", 1) not in checks  # the step target starts at batch 4
@@ -286,3 +291,21 @@ def test_local_processes_targets_subtract_the_eager_rows_cpu_at_the_same_process
 def test_processes_is_refused_outside_the_local_processes_plan(capsys):
     assert main(["bench", "--device", "cpu", "--plan", "tiny", "--processes", "2", "--list"]) == 2
     assert "--processes applies to the local-processes plan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["sd-unet", "unet2d"])
+def test_diffusion_rows_train_a_unet_with_every_block_call_compiled(model):
+    pytest.importorskip("diffusers")
+    from kiln.bench.diffusion import build_unet, make_unet_step
+    from kiln.bench.measure import apply_method, kiln_facts
+
+    (row,) = [r.as_dict() for r in build_rows("diffusion", device="cpu", backend="aot_eager", models=[model],
+                                              methods=["regional"], seq=16)]
+    unet, _, inputs = build_unet(row)
+    before = [p.detach().clone() for p in unet.parameters()]
+    step = make_unet_step(apply_method(unet, row), unet, inputs, row)
+    step()
+    step()
+    facts = kiln_facts(unet)
+    assert facts["kiln_compiled_calls"] > 0 and facts["kiln_eager_calls"] == 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, unet.parameters()))  # AdamW stepped
