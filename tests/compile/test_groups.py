@@ -2,6 +2,7 @@
 graphs depend on gets one compiled entry per group, so no call runs eagerly for lack of Dynamo's
 recompile budget, and identical instances still share one graph."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -9,6 +10,7 @@ from kiln import compile_regions, find_repeated_blocks
 from kiln.compile.groups import group_instances, instance_features
 from kiln.compile.regions import compiled_regions
 from kiln.compile.report import compile_report
+from torch_features import saves_ahead_of_time
 
 FAST = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
 
@@ -132,3 +134,26 @@ def test_search_looks_inside_repeated_stages_that_share_nothing():
     # Stages that repeat exactly stay the regions.
     model = nn.ModuleList([Stage(8), Stage(8)])
     assert find_repeated_blocks(model) == {Stage: ["0", "1"]}
+
+
+def test_each_group_is_precompiled_apart_and_a_later_run_loads_it(tmp_path):
+    if not saves_ahead_of_time("aot_eager"):
+        pytest.skip(f"torch {torch.__version__} saves Inductor output only; groups do not depend on the backend")
+
+    def build():
+        torch.manual_seed(0)
+        return compile_regions(nn.Sequential(Resnetish(8, 8), Resnetish(8, 8), Resnetish(8, 16)),
+                               precompile=tmp_path, backend="aot_eager", fullgraph=True)
+
+    x = torch.randn(2, 8)
+    first = build()
+    with torch.no_grad():
+        expected = first(x)
+    assert [r.name for r in compiled_regions(first)] == ["Resnetish#1", "Resnetish#2"]
+    torch._dynamo.reset()  # a later run: nothing compiled in memory is reused
+    later = build()
+    with torch.no_grad():
+        torch.testing.assert_close(later(x), expected)
+    # Each group found its own artifact (one signature each) and ran it with no Dynamo trace.
+    assert [(r.precompiled_loaded, r.traces, r.precompiled_calls, r.eager_calls)
+            for r in compile_report(later).regions] == [(1, 0, 2, 0), (1, 0, 1, 0)]
