@@ -87,8 +87,6 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     barrier()
-    with open(staging / f"random_states_{process_index}.pkl", "wb") as handle:
-        pickle.dump(_rng_state(), handle)
     files = [f"random_states_{rank}.pkl" for rank in range(num_processes)]
     state_dicts = [] if strategy.sharded_checkpoints else \
         [clean_state_dict(strategy.full_state_dict(model)) for model in models]
@@ -116,6 +114,10 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
         for i, loader in enumerate(dataloaders):
             (staging / f"dataloader_{i}.json").write_text(json.dumps(loader.state_dict()))
             files.append(f"dataloader_{i}.json")
+    # The RNG states last, as the run goes on from here: a save hook may draw random numbers (diffusers'
+    # EMAModel.save_pretrained builds a UNet), and a resumed run must draw what the unbroken run draws.
+    with open(staging / f"random_states_{process_index}.pkl", "wb") as handle:
+        pickle.dump(_rng_state(), handle)
     barrier()  # every process's RNG file is on disk before the manifest says so
     if is_main_process:
         manifest = {"format": FORMAT_VERSION, "created": time.time(), "num_processes": num_processes,

@@ -264,3 +264,16 @@ def test_a_deepspeed_checkpoint_that_cannot_be_converted_says_what_to_do(tmp_pat
                                            "checkpoint, which loads on another number, failed: .*Resume on 2 processes"):
         convert_to_universal(tmp_path / "shards", tmp_path / "universal", 2)
     assert not (tmp_path / "universal").exists()
+
+
+def test_a_save_hook_that_draws_random_numbers_does_not_shift_the_resumed_run(tmp_path):
+    # diffusers' EMAModel.save_pretrained builds a UNet in its save hook, drawing from torch's RNG:
+    # the RNG states saved must be those the unbroken run goes on with, as in Accelerate.
+    accelerator = Accelerator()
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: torch.nn.Linear(64, 64))
+    accelerator.save_state(tmp_path / "checkpoint")
+    unbroken = torch.rand(4)
+    accelerator.load_state(tmp_path / "checkpoint")
+    torch.testing.assert_close(torch.rand(4), unbroken, atol=0, rtol=0)
+    assert model.weight.shape == (2, 2)
