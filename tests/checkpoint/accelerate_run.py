@@ -1,5 +1,7 @@
 """A small training run on the real Accelerate, started in a subprocess by test_accelerate_folders.py:
 `save` trains STEPS steps and writes Accelerate checkpoints at step SAVE_AT; `resume` continues one.
+With `--stateful` the loader is Accelerate's stateful one (torchdata), whose position the checkpoint
+holds (dl_state_dict.bin): the resumed run iterates the loader itself, with no skip.
 
 `build` is shared with the Kiln side of the tests; Accelerate is imported only when run as a script,
 so that its global state never reaches the pytest process.
@@ -69,26 +71,34 @@ def _save_by_hook(models: list, weights: list, folder: str) -> None:
 
 def main() -> None:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DataLoaderConfiguration, set_seed
 
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=["save", "resume"])
     parser.add_argument("folder", type=Path)
     parser.add_argument("losses", type=Path)
+    parser.add_argument("--stateful", action="store_true")
     args = parser.parse_args()
 
     set_seed(0)
-    accelerator = Accelerator(cpu=True)
+    config = DataLoaderConfiguration(use_stateful_dataloader=args.stateful)
+    accelerator = Accelerator(cpu=True, dataloader_config=config)
     counter = StepCounter()
     accelerator.register_for_checkpointing(counter)
     model, optimizer, scheduler, loader = accelerator.prepare(*build())
     if args.mode == "resume":
         accelerator.load_state(args.folder)
-        batches = accelerator.skip_first_batches(loader, SAVE_AT)
+        batches = loader if args.stateful else accelerator.skip_first_batches(loader, SAVE_AT)
         losses = train(accelerator.backward, model, optimizer, scheduler, batches, counter, STEPS - SAVE_AT)
         args.losses.write_text(json.dumps({"losses": losses, "steps": counter.steps}))
         return
     batches = iter(loader)  # one pass: the uninterrupted run goes on with the same iterator
+    if args.stateful:
+        losses = train(accelerator.backward, model, optimizer, scheduler, batches, counter, SAVE_AT)
+        accelerator.save_state(args.folder / "stateful")
+        losses += train(accelerator.backward, model, optimizer, scheduler, batches, counter, STEPS - SAVE_AT)
+        args.losses.write_text(json.dumps({"losses": losses, "steps": counter.steps}))
+        return
     losses = train(accelerator.backward, model, optimizer, scheduler, batches, counter, SAVE_AT)
     accelerator.save_state(args.folder / "safetensors")
     accelerator.save_state(args.folder / "bin", safe_serialization=False)
