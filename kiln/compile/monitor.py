@@ -152,8 +152,8 @@ def is_mode_switch(reason: str) -> bool:
     """True for a recompile caused only by grad mode or train/eval (a validation pass under no_grad
     after training): one graph per mode, met once, not the shape churn the recompile policy is for.
     Dynamo words these "GLOBAL_STATE changed: grad_mode" and a guard on a module's `training`."""
-    lines = [line for line in reason.splitlines() if line.strip()]
-    return bool(lines) and all("grad_mode" in line or ".training" in line for line in lines)
+    failed = [line for line in reason.split("User stack trace:")[0].splitlines() if line.strip()]
+    return bool(failed) and all("grad_mode" in line or ".training" in line for line in failed)
 
 
 def _compilation_metrics() -> list[Any]:

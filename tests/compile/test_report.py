@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from kiln import Accelerator, KilnCompileWarning, TorchDynamoPlugin, compile_regions, compile_report
 from kiln.compile.monitor import KilnFallbackWarning, KilnRecompileError, KilnRecompileWarning
-from toy_models import EncoderBlock, EncoderDecoder
+from kiln.compile.regions import mark_warm
+from toy_models import EncoderBlock, EncoderDecoder, tiny_gpt2
 
 
 class BreakingBlock(nn.Module):
@@ -120,6 +121,19 @@ def test_validation_under_no_grad_after_warmup_is_no_recompile_to_warn_about():
     assert all("grad_mode" in r.recompile_reasons[-1] for r in acc.compile_report().regions)
     with pytest.raises(KilnRecompileError, match="size mismatch"), torch.no_grad():  # shapes still count
         model(torch.randn(2, 4, 8))
+
+
+def test_switching_a_dropout_model_to_eval_after_warmup_is_no_recompile_error():
+    model = tiny_gpt2(2)
+    model.config.resid_pdrop = 0.1
+    compile_regions(model, backend="aot_eager", recompile="error")
+    ids = torch.randint(0, 97, (2, 8))
+    model(ids, use_cache=False)
+    mark_warm(model)
+    model.eval()
+    model(ids, use_cache=False)  # dropout's `training` flag is guarded: a new graph, no error
+    (region,) = compile_report(model).regions
+    assert region.recompiles == 1 and ".training == True" in region.recompile_reasons[0]
 
 
 def test_silent_region_is_called_out_after_the_first_step():
