@@ -1,5 +1,5 @@
 """Small models for the tests: an in-repo encoder-decoder with two block stacks, and tiny
-transformers configs (random weights, nothing downloaded)."""
+transformers and diffusers configs (random weights, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -95,3 +95,20 @@ def tiny_llama(layers: int = 3, width: int = 32, init_std: float = 0.02):
     model = LlamaForCausalLM(config)
     model.loss_type = "ForCausalLM"
     return model
+
+
+# Stable Diffusion 1.5's UNet block layout (4 down and 4 up blocks, 2 resnets a block, cross-attention
+# at three levels) at tiny widths: 22 ResnetBlock2D in 12 shapes, 16 BasicTransformerBlock.
+SD_UNET_LAYOUT = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=2,
+                      block_out_channels=(16, 32, 64, 64), norm_num_groups=8,
+                      down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+                      up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+                      cross_attention_dim=16, attention_head_dim=4)
+
+
+def tiny_sd_unet(seed: int = 0):
+    """A diffusers UNet2DConditionModel of SD_UNET_LAYOUT with weights seeded by `seed`."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(**SD_UNET_LAYOUT)

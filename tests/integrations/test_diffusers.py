@@ -14,24 +14,13 @@ from safetensors.torch import load_file
 
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.compile.monitor import KilnRecompileWarning
+from toy_models import SD_UNET_LAYOUT, tiny_sd_unet
 
 pytest.importorskip("diffusers")
 from diffusers import DDPMScheduler, UNet2DConditionModel, UNet2DModel  # noqa: E402
 
-# SD 1.5's layout: three cross-attention down blocks and a plain one, mirrored on the way up.
-SD_LAYOUT = dict(
-    sample_size=16, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(16, 32, 64, 64),
-    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-    norm_num_groups=8, cross_attention_dim=16, attention_head_dim=4,
-)
 STEPS, SAVE_AFTER, BATCH, TEXT_TOKENS = 6, 3, 2, 8
 TRAIN_TIMESTEPS = 100
-
-
-def sd_unet(seed: int) -> UNet2DConditionModel:
-    torch.manual_seed(seed)
-    return UNet2DConditionModel(**SD_LAYOUT)
 
 
 def batches() -> list[dict[str, torch.Tensor]]:
@@ -133,10 +122,10 @@ def calls(regions) -> tuple[int, int]:
 def sd_runs(tmp_path_factory):
     """One eager run, one Kiln run saving a checkpoint after step SAVE_AFTER, one resumed from it."""
     folder = tmp_path_factory.mktemp("diffusers")
-    eager = train_eagerly(sd_unet(0))
-    accelerator, unet, losses = train_with_kiln(sd_unet(0), checkpoint_dir=folder / "checkpoint")
+    eager = train_eagerly(tiny_sd_unet(0))
+    accelerator, unet, losses = train_with_kiln(tiny_sd_unet(0), checkpoint_dir=folder / "checkpoint")
     training_report = accelerator.compile_report()
-    _, resumed_unet, resumed = train_with_kiln(sd_unet(7), resume_from=folder / "checkpoint", skip=SAVE_AFTER)
+    _, resumed_unet, resumed = train_with_kiln(tiny_sd_unet(7), resume_from=folder / "checkpoint", skip=SAVE_AFTER)
     return dict(folder=folder, eager=eager, accelerator=accelerator, unet=unet, losses=losses,
                 training_report=training_report, resumed_unet=resumed_unet, resumed=resumed)
 
@@ -195,7 +184,7 @@ def test_saved_unet_reloads_in_plain_diffusers_with_the_same_outputs(sd_runs):
     assert not [k for k in keys if "_orig_mod." in k or k.startswith("module.")]
     plain, info = UNet2DConditionModel.from_pretrained(folder, output_loading_info=True)
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"])
-    assert set(keys) == set(UNet2DConditionModel(**SD_LAYOUT).state_dict())
+    assert set(keys) == set(UNet2DConditionModel(**SD_UNET_LAYOUT).state_dict())
     torch.testing.assert_close(validate(unet), validate(plain), atol=1e-6, rtol=0)
 
 
@@ -248,9 +237,9 @@ def train_with_ema(*, checkpoint_dir=None, resume_from=None, steps=4, save_after
     saved and loaded by the script's hooks as `unet_ema/`."""
     from diffusers.training_utils import EMAModel
 
-    unet = sd_unet(0)
+    unet = tiny_sd_unet(0)
     torch.manual_seed(0)
-    ema_unet = EMAModel(sd_unet(0).parameters(), decay=0.9, model_cls=UNet2DConditionModel, model_config=unet.config)
+    ema_unet = EMAModel(tiny_sd_unet(0).parameters(), decay=0.9, model_cls=UNet2DConditionModel, model_config=unet.config)
     accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True))
 
     def save_ema(models, weights, output_dir):

@@ -11,26 +11,15 @@ import torch
 from kiln import compile_regions
 from kiln.compile.regions import compiled_regions
 from kiln.compile.report import compile_report
+from toy_models import tiny_sd_unet
 
 diffusers = pytest.importorskip("diffusers")
 
 FAST = {"backend": "aot_eager", "dynamic": False}
-# Stable Diffusion 1.5's block layout (4 down and 4 up blocks, 2 resnets a block, cross-attention at
-# three levels) at small widths.
-SD_LAYOUT = dict(sample_size=16, in_channels=4, out_channels=4, layers_per_block=2,
-                 block_out_channels=(16, 32, 64, 64), norm_num_groups=8,
-                 down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-                 up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-                 cross_attention_dim=16, attention_head_dim=4)
 UNET2D_LAYOUT = dict(sample_size=16, in_channels=3, out_channels=3, layers_per_block=2,
                      block_out_channels=(16, 32, 32, 64), norm_num_groups=8,
                      down_block_types=("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
                      up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"))
-
-
-def _sd_unet():
-    torch.manual_seed(0)
-    return diffusers.UNet2DConditionModel(**SD_LAYOUT)
 
 
 def _sd_call(unet, generator):
@@ -70,9 +59,9 @@ def _assert_every_call_compiled(unet):
 
 
 def test_sd_unet_with_resnets_as_regions_runs_every_call_compiled_and_trains_like_eager():
-    eager = _sd_unet()
+    eager = tiny_sd_unet()
     expected_losses, expected_validation = _train_then_validate(eager, _sd_call)
-    unet = _sd_unet()
+    unet = tiny_sd_unet()
     # The blocks a user picks beside the declared one: ResnetBlock2D's 22 instances come in 12
     # shapes, more than Dynamo's 8 graphs for one entry.
     compile_regions(unet, block_classes=["ResnetBlock2D", "BasicTransformerBlock"], **FAST)
@@ -89,7 +78,7 @@ def test_sd_unet_with_resnets_as_regions_runs_every_call_compiled_and_trains_lik
 
 
 def test_sd_unet_compiles_the_blocks_it_declares_and_runs_them_compiled():
-    unet = _sd_unet()
+    unet = tiny_sd_unet()
     compile_regions(unet, **FAST)
     _train_then_validate(unet, _sd_call)
     report = _assert_every_call_compiled(unet)
