@@ -22,8 +22,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from kiln.checkpoint.integrity import CheckpointCorruptError, check_optimizer, check_weights, read, shapes_of
-from kiln.checkpoint.training_state import (LoadReport, _optimizers_of, _rng_for, _set_rng_state, _torch_load)
+from kiln.checkpoint.integrity import CheckpointCorruptError, check_weights, read, shapes_of
+from kiln.checkpoint.training_state import (LoadReport, _rng_for, _set_rng_state, _torch_load, read_optimizer,
+                                            whole_checkpoint_loads)
 from kiln.checkpoint.weights import clean_key
 from kiln.data import KilnResumeWarning
 from kiln.parallel.base import Strategy
@@ -152,24 +153,17 @@ def load_accelerate_folder(folder: Path, *, models: list, strategy: Strategy, op
                         rng_restored=list(range(min(saved_processes, num_processes))),
                         rng_derived=list(range(saved_processes, num_processes)),
                         notes=["read as a folder written by Accelerate's save_state"])
-    loads: list[Callable[[], None]] = []
-    for i, model in enumerate(models):
+    def weights_for(i: int, model: Any) -> dict[str, Any]:
         path = folder / weights_files[i]
         target = strategy.unwrap(model).state_dict()
         weights, renamed = plain_weights(read(path, _read_weights), target)
         if renamed:
             report.notes.append(f"{weights_files[i]}: {renamed}")
         check_weights(path, shapes_of(weights), shapes_of(target), strict)
-        if strategy.sharded_checkpoints:  # whole files into shards: each model takes its own optimizers
-            prepared = _optimizers_of(model, optimizers)
-            states = [_read_optimizer(folder / found["optimizer"][optimizers.index(opt)], opt) for opt in prepared]
-            loads.append(functools.partial(strategy.load_whole, model, [opt.optimizer for opt in prepared], weights,
-                                           states, strict=strict))
-        else:
-            loads.append(functools.partial(strategy.load_whole, model, [], weights, [], strict=strict))
-    if not strategy.sharded_checkpoints:
-        for i, opt in enumerate(optimizers):
-            loads.append(functools.partial(opt.load_state_dict, _read_optimizer(folder / found["optimizer"][i], opt)))
+        return weights
+
+    loads = whole_checkpoint_loads(models, optimizers, strategy, weights_for, strict,
+                                   lambda i, opt: read_optimizer(folder / found["optimizer"][i], opt, _safe_load))
     for i, scheduler in enumerate(schedulers):
         loads.append(functools.partial(scheduler.load_state_dict, read(folder / found["scheduler"][i], _safe_load)))
     for i, obj in enumerate(custom):  # arbitrary objects: Accelerate reads these with weights_only=False too
@@ -267,12 +261,6 @@ def _tied_names(state_dict: dict[str, Any]) -> dict[str, str]:
         else:
             first[identity] = name
     return tied
-
-
-def _read_optimizer(path: Path, optimizer: Any) -> dict[str, Any]:
-    state = read(path, _safe_load)
-    check_optimizer(path, state, getattr(optimizer, "optimizer", optimizer))
-    return state
 
 
 def _safe_load(path: Path) -> Any:

@@ -220,27 +220,24 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
 
     # Read and check everything first; only then change anything.
     loads: list[Callable[[], None]] = []
-    for i, model in enumerate(models):
-        prepared = _optimizers_of(model, optimizers)
-        owned = [opt.optimizer for opt in prepared]
-        if sharded:
+    if sharded:
+        for i, model in enumerate(models):
             if strategy.name != "deepspeed":
                 saved = saved_weight_shapes(folder / f"sharded_model_{i}")
                 check_weights(folder / f"sharded_model_{i}", saved, shapes_of(strategy.unwrap(model).state_dict()),
                               strict)
+            owned = [opt.optimizer for opt in _optimizers_of(model, optimizers)]
             loads.append(functools.partial(strategy.load_sharded, folder, i, model, owned, strict=strict,
                                            saved_processes=saved_processes))
-            continue
-        weights = read(folder / f"model_{i}", load_state_dict)
-        check_weights(folder / f"model_{i}", shapes_of(weights), shapes_of(strategy.unwrap(model).state_dict()), strict)
-        if strategy.sharded_checkpoints:  # whole files into shards: each model takes its own optimizers
-            states = [_read_optimizer(folder, optimizers.index(opt), opt) for opt in prepared]
-            loads.append(functools.partial(strategy.load_whole, model, owned, weights, states, strict=strict))
-        else:  # whole into whole: the optimizers follow, by their index
-            loads.append(functools.partial(strategy.load_whole, model, [], weights, [], strict=strict))
-    if not sharded and not strategy.sharded_checkpoints:
-        for i, opt in enumerate(optimizers):
-            loads.append(functools.partial(opt.load_state_dict, _read_optimizer(folder, i, opt)))
+    else:
+        def weights_for(i: int, model: Any) -> dict[str, Any]:
+            weights = read(folder / f"model_{i}", load_state_dict)
+            check_weights(folder / f"model_{i}", shapes_of(weights), shapes_of(strategy.unwrap(model).state_dict()),
+                          strict)
+            return weights
+
+        loads += whole_checkpoint_loads(models, optimizers, strategy, weights_for, strict,
+                                        lambda i, opt: read_optimizer(folder / f"optimizer_{i}.bin", opt, _torch_load))
     for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
         for i, obj in enumerate(objects):
             loads.append(functools.partial(obj.load_state_dict, read(folder / f"{prefix}_{i}.bin", _torch_load)))
@@ -315,9 +312,32 @@ def _torch_load(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _read_optimizer(folder: Path, index: int, optimizer: Any) -> dict[str, Any]:
-    path = folder / f"optimizer_{index}.bin"
-    state = read(path, _torch_load)
+def whole_checkpoint_loads(models: list, optimizers: list, strategy: Strategy,
+                           weights_for: Callable[[int, Any], dict[str, Any]], strict: bool,
+                           optimizer_state_for: Callable[[int, Any], dict[str, Any]]) -> list[Callable[[], None]]:
+    """The loads of whole-file model weights and optimizer states into the prepared objects, each
+    read and checked now (`weights_for(i, model)`, `optimizer_state_for(i, optimizer)`) and run
+    later. A strategy whose checkpoints are sharded takes each model with its own optimizers;
+    otherwise the optimizers follow, by their index."""
+    loads: list[Callable[[], None]] = []
+    for i, model in enumerate(models):
+        weights = weights_for(i, model)
+        if strategy.sharded_checkpoints:  # whole files into shards
+            prepared = _optimizers_of(model, optimizers)
+            states = [optimizer_state_for(optimizers.index(opt), opt) for opt in prepared]
+            loads.append(functools.partial(strategy.load_whole, model, [opt.optimizer for opt in prepared], weights,
+                                           states, strict=strict))
+        else:
+            loads.append(functools.partial(strategy.load_whole, model, [], weights, [], strict=strict))
+    if not strategy.sharded_checkpoints:
+        for i, opt in enumerate(optimizers):
+            loads.append(functools.partial(opt.load_state_dict, optimizer_state_for(i, opt)))
+    return loads
+
+
+def read_optimizer(path: Path, optimizer: Any, load: Callable[[Path], Any]) -> dict[str, Any]:
+    """An optimizer's saved state, read with `load` and checked against the prepared `optimizer`."""
+    state = read(path, load)
     check_optimizer(path, state, getattr(optimizer, "optimizer", optimizer))
     return state
 
