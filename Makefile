@@ -48,7 +48,7 @@ test-fast: $(DEV_STAMP)
 # The torch matrix (.ci/run): the start-up, compile, accelerator and checkpoint tests on the other
 # torch versions Kiln supports, each in a virtual environment of its own. Any torch but the pinned
 # 2.13.0 comes from the package index as a CUDA build (about 4.6 GB, 2 minutes); it runs on the CPU.
-# Tests that need an API a version lacks assert its fallback there (tests/compile/torch_features.py).
+# Tests that need an API a version lacks assert its fallback there (tests/torch_features.py).
 MATRIX_TORCHES ?= 2.11.0 2.14.1
 MATRIX_TESTS := tests/compile tests/test_accelerator.py tests/test_plugins.py tests/checkpoint
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kiln.bench.plan import DIFFUSION_MODELS, MODEL_SIZES
-from kiln.compile.cache_key import cpu_model
+from kiln.compile.artifacts.cache_key import cpu_model
 
 
 def build_model(row: dict[str, Any]) -> tuple[Any, Any, Any]:

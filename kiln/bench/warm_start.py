@@ -62,7 +62,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     from torch._dynamo.utils import get_compilation_metrics
 
     from kiln.bench.measure import build_model, peak_memory_mib
-    from kiln.compile.cache import CompileCache
+    from kiln.compile.artifacts.cache import CompileCache
     from kiln.compile.regions import compile_regions, compiled_regions
 
     if row.get("threads"):

@@ -1,7 +1,8 @@
 """The checkpoint side of the Accelerator: where a project's files go, save_state/load_state with
 their hooks, automatic checkpoint names, and `save`.
 
-Depends on torch, kiln.project and kiln.checkpoint.training_state; `Accelerator` builds on it and
+Depends on torch, kiln.project, kiln.checkpoint.training_state (Kiln's folders) and
+kiln.checkpoint.accelerate_folder (Accelerate's), choosing between the two; `Accelerator` builds on it and
 provides the prepared objects (`_models`, `_optimizers`, ...), the strategy and the process facts it reads.
 """
 
@@ -18,7 +19,8 @@ from torch.utils.hooks import RemovableHandle
 
 from kiln.project import ProjectConfiguration, latest_checkpoint, next_checkpoint, prune_checkpoints
 from kiln.data import KilnResumeWarning
-from kiln.checkpoint.training_state import LoadReport, load_training_state, save_training_state
+from kiln.checkpoint.accelerate_folder import is_accelerate_folder, load_accelerate_folder
+from kiln.checkpoint.training_state import MANIFEST, LoadReport, load_training_state, save_training_state
 
 
 class CheckpointAPI:
@@ -114,8 +116,13 @@ class CheckpointAPI:
         if input_dir is None:
             number, input_dir = latest_checkpoint(self.project_configuration)
             self.project_configuration.iteration = number + 1
-        report = load_training_state(
-            input_dir, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
+        # A folder without Kiln's manifest that Accelerate's save_state wrote is read by its own
+        # reader, into the same objects, with the same checks; anything else gets Kiln's reader
+        # (whose errors name what is missing).
+        is_accelerate = not (Path(input_dir) / MANIFEST).is_file() and is_accelerate_folder(Path(input_dir))
+        load_folder = load_accelerate_folder if is_accelerate else load_training_state
+        report = load_folder(
+            Path(input_dir), models=self._models, strategy=self.strategy, optimizers=self._optimizers,
             schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
             scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
             load_hooks=list(self._load_state_pre_hooks.values()), strict=strict)

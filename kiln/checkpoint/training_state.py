@@ -197,18 +197,9 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
     `models` (having loaded them itself) are not loaded again. `strict=False` lets model weights
     miss names or hold extra ones (as `load_state_dict(strict=False)`).
 
-    A folder without Kiln's manifest that Accelerate's `save_state` wrote is read by
-    kiln.checkpoint.accelerate_folder, into the same objects, with the same checks."""
+    Kiln's folders only (they carry a manifest); kiln.checkpoint.api chooses between this and
+    Accelerate's folder reader."""
     folder = Path(input_dir)
-    if not (folder / MANIFEST).is_file():
-        # Imported here: accelerate_folder builds on this module's LoadReport and RNG helpers.
-        from kiln.checkpoint.accelerate_folder import is_accelerate_folder, load_accelerate_folder
-
-        if is_accelerate_folder(folder):
-            return load_accelerate_folder(folder, models=models, strategy=strategy, optimizers=optimizers,
-                                          schedulers=schedulers, dataloaders=dataloaders, custom=custom,
-                                          scaler=scaler, process_index=process_index, num_processes=num_processes,
-                                          load_hooks=load_hooks, strict=strict)
     manifest = read_manifest(folder)
     models = list(models)
     for hook in load_hooks:

@@ -1,6 +1,6 @@
 """`kiln cache ls` and `kiln cache clear`: look at and empty the warm-start compile cache.
 
-Depends on kiln.compile.cache only; never on the facade.
+Depends on kiln.compile.artifacts.cache only; never on the facade.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.compile.cache import ENV_DIR, ENV_ENABLED, INDUCTOR_ENV, CacheEntryInfo, CompileCache
+from kiln.compile.artifacts.cache import ENV_DIR, ENV_ENABLED, INDUCTOR_ENV, CacheEntryInfo, CompileCache
 
 
 def add_parser(commands: Any) -> None:

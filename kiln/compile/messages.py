@@ -1,9 +1,15 @@
-"""Compiler errors and reasons shortened for warnings and the compile report.
+"""Compiler errors and reasons shortened for warnings and the compile report, and the warning
+category both halves of the compile package raise when code meant to run compiled ran eagerly.
 
 Depends on nothing.
 """
 
 from __future__ import annotations
+
+
+class KilnFallbackWarning(UserWarning):
+    """Code meant to run compiled ran eagerly (recompile limit hit, or nothing compiled at all)."""
+
 
 def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text

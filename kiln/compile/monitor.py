@@ -1,7 +1,7 @@
 """Watches Dynamo on behalf of the compiled regions: compile time, recompile reasons, graph breaks,
 cache hits, the recompile limit, and the recompile policy after warm-up.
 
-Depends on torch and kiln.plugins only; the regions hand themselves in, so this never imports
+Depends on torch, kiln.plugins and kiln.compile.messages only; the regions hand themselves in, so this never imports
 kiln.compile.regions.
 Dynamo's per-frame records (`torch._dynamo.utils.get_compilation_metrics`, a private API present
 since torch 2.4) are read where available; without them the report has graph and call counts only.
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from kiln.compile.messages import KilnFallbackWarning  # noqa: F401  (re-exported: users filter it from here)
 from kiln.plugins import RECOMPILE_POLICIES
 
 
@@ -24,10 +25,6 @@ class KilnRecompileWarning(UserWarning):
 
 class KilnRecompileError(RuntimeError):
     """A compiled region recompiled after warm-up while the policy was recompile='error'."""
-
-
-class KilnFallbackWarning(UserWarning):
-    """Code meant to run compiled ran eagerly (recompile limit hit, or nothing compiled at all)."""
 
 
 

@@ -29,9 +29,9 @@ from torch import nn
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.groups import describe_difference, group_instances, shares_code
 from kiln.compile.monitor import MONITOR, check_recompile_policy
-from kiln.compile.aot_workarounds import renamed
-from kiln.compile.precompiled import EAGER, PrecompiledRegion, unsupported_reason
-from kiln.compile.signatures import UnsupportedCall
+from kiln.compile.artifacts.aot_workarounds import region_entry
+from kiln.compile.artifacts.precompiled import EAGER, PrecompiledRegion, unsupported_reason
+from kiln.compile.artifacts.signatures import UnsupportedCall
 from kiln.plugins import validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -219,7 +219,7 @@ def compile_regions(
     `block_classes` (classes or class names) or `block_paths` (module paths) pick the regions by
     hand. A model without repeated blocks gets a warning and a full compile instead.
     `recompile` ("warn", "error", "allow") is what a recompile after `mark_warm(model)` does.
-    `precompile` is a folder for precompiled artifacts (kiln/compile/precompiled.py): each call
+    `precompile` is a folder for precompiled artifacts (kiln/compile/artifacts/precompiled.py): each call
     signature is compiled ahead of time and saved there, and a later run loads it with no trace.
 
     >>> model = compile_regions(model, mode="max-autotune")
@@ -322,7 +322,7 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
     name = name or _class_label(cls)
     label = _unique_label(name)
     tracked = TrackedBackend(resolve_backend(backend, mode, options, kwargs.get("dynamic")), name)
-    entry = _region_entry(forward, label)
+    entry = region_entry(forward, label)
     region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile,
                             base_forward=forward)
     if precompile is not None:
@@ -427,15 +427,6 @@ def _unique_label(name: str) -> str:
         label = f"{base}_{n}"
     _LABELS.add(label)
     return label
-
-
-def _region_entry(forward: Callable, label: str) -> Callable:
-    """A fresh function that calls `forward`, with its own code object, hence its own Dynamo cache."""
-
-    def entry(module, *args, **kwargs):
-        return forward(module, *args, **kwargs)
-
-    return renamed(entry, label)
 
 
 def _already_compiled(model: nn.Module) -> bool:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from kiln.compile import isa_probe
-from kiln.compile.cache import CompileCache
+from kiln.compile.artifacts.cache import CompileCache
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
 from kiln.compile.report import CompileReport, compile_report
@@ -79,7 +79,7 @@ class CompileSession:
     def _compile_in_background(self, model: nn.Module) -> None:
         """One helper per machine: the local main process starts it, the other local processes
         load what it writes into the shared cache folder."""
-        from kiln.compile.background import BackgroundCompiler
+        from kiln.compile.artifacts.background import BackgroundCompiler
 
         if self.is_local_main and self.background is None and self.cache is not None:
             self.background = BackgroundCompiler(self.cache.precompiled_dir)

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kiln.compile.cache as cache_module
+import kiln.compile.artifacts.cache as cache_module
 from kiln.cli import main
-from kiln.compile.cache import ENTRY_SUFFIX, INDUCTOR_ENV, CompileCache
+from kiln.compile.artifacts.cache import ENTRY_SUFFIX, INDUCTOR_ENV, CompileCache
 from toy_models import EncoderDecoder, Flat
 
 

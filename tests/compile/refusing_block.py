@@ -41,6 +41,6 @@ def _refuse(*args, **kwargs):
 
 
 if os.environ.get("KILN_BACKGROUND_PARENT"):
-    from kiln.compile import precompiled
+    from kiln.compile.artifacts import precompiled
 
     precompiled.compile_ahead_of_time = _refuse

@@ -1,4 +1,4 @@
-"""Precompiled regions (kiln/compile/precompiled.py): artifacts saved per call signature, loaded by a
+"""Precompiled regions (kiln/compile/artifacts/precompiled.py): artifacts saved per call signature, loaded by a
 later run without a Dynamo trace, checked before use, and rebuilt when they do not fit.
 
 A "later run" is a new model compiled over the same folder after `torch._dynamo.reset()`: nothing
@@ -19,14 +19,14 @@ import pytest
 import torch
 
 from kiln import Accelerator, TorchDynamoPlugin
-from kiln.compile import precompiled as pc
-from kiln.compile.cache import KilnCacheWarning
+from kiln.compile.artifacts import precompiled as pc
+from kiln.compile.artifacts.cache import KilnCacheWarning
 from kiln.compile.regions import compile_regions, compiled_regions
 from kiln.compile.report import compile_report
 from toy_models import tiny_llama
 from torch_features import PRECOMPILE_BACKEND, saves_ahead_of_time
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _llama(seed=0, layers=3):

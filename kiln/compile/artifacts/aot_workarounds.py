@@ -178,3 +178,13 @@ def renamed(fn: Callable, label: str) -> Callable:
         changes["co_qualname"] = label
     code = fn.__code__.replace(**changes)
     return type(fn)(code, fn.__globals__, label, fn.__defaults__, fn.__closure__)
+
+
+def region_entry(forward: Callable, label: str) -> Callable:
+    """A fresh function that calls `forward`, with its own code object, hence its own Dynamo cache,
+    named by the region's label. The training process and the background helper build it the same way."""
+
+    def entry(module, *args, **kwargs):
+        return forward(module, *args, **kwargs)
+
+    return renamed(entry, label)

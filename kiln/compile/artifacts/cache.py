@@ -1,6 +1,6 @@
 """Warm starts: keep what torch.compile built on disk, so the next run of the same job skips the cold compile.
 
-Depends on torch, kiln.plugins (its boolean parser) and kiln.compile.cache_key only; never on the
+Depends on torch, kiln.plugins (its boolean parser) and kiln.compile.artifacts.cache_key only; never on the
 facade, a strategy or the rest of the compile package.
 
 Two things survive a process, both under one folder (default ~/.cache/kiln/compile):
@@ -31,7 +31,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from kiln.compile.cache_key import canonical_json, job_key, triton_version
+from kiln.compile.artifacts.cache_key import canonical_json, job_key, triton_version
 from kiln.plugins import parse_bool
 
 MAGIC = b"KILN-COMPILE-CACHE\n"
@@ -126,7 +126,7 @@ class CompileCache:
 
     @property
     def precompiled_dir(self) -> Path:
-        """Where precompiled regions keep their artifacts (kiln/compile/precompiled.py)."""
+        """Where precompiled regions keep their artifacts (kiln/compile/artifacts/precompiled.py)."""
         return self.directory / "precompiled"
 
     @property

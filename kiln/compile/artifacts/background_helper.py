@@ -1,10 +1,11 @@
-"""The background compiler's own process (`python -m kiln.compile.background_helper`): it reads
+"""The background compiler's own process (`python -m kiln.compile.artifacts.background_helper`): it reads
 jobs from its stdin, compiles each ahead of time (or, where torch cannot, JIT-compiles it into the
-shared compile caches), and answers on its stdout. kiln/compile/background.py is the training
+shared compile caches), and answers on its stdout. kiln/compile/artifacts/background.py is the training
 process's side.
 
-Depends on torch, kiln.compile.background (the job format and the frames), kiln.compile.precompiled
-and kiln.compile.regions' entry builder; never on the facade or a strategy.
+Depends on torch, kiln.compile.artifacts.background (the job format and the frames),
+kiln.compile.artifacts.precompiled and aot_workarounds (the region entry builder); never on
+kiln.compile.regions, the facade or a strategy.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.background import (Job, _cpu_inductor, _import, _import_runtime, _read_frame, _write_frame,
+from kiln.compile.artifacts.background import (Job, _cpu_inductor, _import, _import_runtime, _read_frame, _write_frame,
                                      example_inputs)
 from kiln.compile.messages import first_line
 
@@ -49,9 +50,8 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
     the compile caches the training process shares; return why, for the training process to
     JIT-compile it there (a warm compile with Inductor). `aot_refused` remembers, per region, that
     ahead of time failed, so later signatures go straight to the JIT fill."""
-    from kiln.compile.aot_workarounds import autocast_off
-    from kiln.compile.precompiled import PrecompiledRegion
-    from kiln.compile.regions import _region_entry
+    from kiln.compile.artifacts.aot_workarounds import autocast_off, region_entry
+    from kiln.compile.artifacts.precompiled import PrecompiledRegion
 
     aot_refused = {} if aot_refused is None else aot_refused
 
@@ -67,7 +67,7 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
     for flag, submodule in zip(fields["training"], module.modules()):
         submodule.training = flag
     args, kwargs = example_inputs(job.signature)
-    entry = _region_entry(forward, job.label)
+    entry = region_entry(forward, job.label)
     region = PrecompiledRegion(job.directory, job.region, job.label, entry, cls, forward, job.compile_kwargs)
     if job.region not in aot_refused:
         with warnings.catch_warnings():
@@ -88,7 +88,7 @@ def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module
     """JIT-compile one call as the training process's JIT path will (same entry, backend and
     settings; the caller's autocast around it) and run its backward, so that Inductor's FX graph
     and AOTAutograd caches hold both graphs when the training process compiles them."""
-    from kiln.compile.aot_workarounds import autocast_on
+    from kiln.compile.artifacts.aot_workarounds import autocast_on
     from kiln.compile.backend import resolve_backend
 
     kw = dict(compile_kwargs)

@@ -1,7 +1,7 @@
 """Call signatures and region keys: what decides whether saved precompiled code fits a call
-(kiln/compile/precompiled.py), described as hashable tuples and as readable fields for the report.
+(kiln/compile/artifacts/precompiled.py), described as hashable tuples and as readable fields for the report.
 
-Depends on torch and kiln.compile.cache_key only.
+Depends on torch and kiln.compile.artifacts.cache_key only.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kiln.compile.cache_key import canonical_json, cpu_model, device_name, triton_version
+from kiln.compile.artifacts.cache_key import canonical_json, cpu_model, device_name, triton_version
 
 FORMAT_VERSION = 1  # of the precompiled artifacts; part of every region key
 AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -31,7 +31,7 @@ def call_signature(module: nn.Module, args: tuple, kwargs: dict[str, Any], num_t
     """Everything about one call that decides which compiled code fits it, as a hashable tuple:
     each argument (tensors by shape, dtype, device, strides when not contiguous, requires_grad;
     plain values by value), grad and inference mode, autocast, torch's thread count (`num_threads`
-    where the process runs on fewer for a while: kiln/compile/background.py), the training flags
+    where the process runs on fewer for a while: kiln/compile/artifacts/background.py), the training flags
     of the block's modules, and its parameters' and buffers' shapes, dtypes and devices."""
     return (
         ("args", tuple(_describe(a) for a in args)),

@@ -1,7 +1,7 @@
 """Precompiled regions: a region's forward and backward compiled ahead of time, once per input
 signature, saved in Kiln's cache folder, and loaded by later runs without any Dynamo trace.
 
-Depends on torch, kiln.compile.cache and the modules it is made of (signatures: what a call is;
+Depends on torch, kiln.compile.artifacts.cache and the modules it is made of (signatures: what a call is;
 aot_workarounds: torch behaviours worked around; messages); never on the facade, a strategy or
 kiln.compile.regions (regions.py builds a `PrecompiledRegion` and asks it for a function per call).
 
@@ -33,14 +33,14 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.aot_workarounds import (ServedFromCache, as_class, autocast_off, autograd_cache_hits,
+from kiln.compile.artifacts.aot_workarounds import (ServedFromCache, as_class, autocast_off, autograd_cache_hits,
                                           compile_ahead_of_time, detached, private_autograd_cache, serialized,
                                           with_autocast)
-from kiln.compile.cache import (CorruptEntryError, KilnCacheWarning, pack_envelope, read_envelope,
+from kiln.compile.artifacts.cache import (CorruptEntryError, KilnCacheWarning, pack_envelope, read_envelope,
                                 write_atomically)
-from kiln.compile.cache_key import triton_version
+from kiln.compile.artifacts.cache_key import triton_version
 from kiln.compile.messages import first_line, guard_reason
-from kiln.compile.signatures import (FORMAT_VERSION, UnsupportedCall, call_signature, region_key, signature_digest,
+from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, call_signature, region_key, signature_digest,
                                      signature_difference, signature_fields)
 
 MAGIC = b"KILN-PRECOMPILED\n"
@@ -128,7 +128,7 @@ class PrecompiledRegion:
         self._functions: dict[tuple, Callable | None] = {}
         self._entries: dict[tuple[str, ...], Callable] = {}  # autocast state -> entry with it inside
         self._failed = False  # an ahead-of-time compile failed: the rest of the run is JIT
-        # Train while compiling (kiln/compile/background.py): `background` compiles in a helper
+        # Train while compiling (kiln/compile/artifacts/background.py): `background` compiles in a helper
         # process (the local main process has one); `background_wait` waits for another local
         # process's helper. Meanwhile the signature runs eagerly; `poll` switches between steps.
         self.background: Any = None

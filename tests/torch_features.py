@@ -5,7 +5,7 @@ import functools
 
 import torch
 
-from kiln.compile.aot_workarounds import compile_ahead_of_time, serialized
+from kiln.compile.artifacts.aot_workarounds import compile_ahead_of_time, serialized
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-"""Tests for kiln/compile/cache.py: keys, checked entry files, atomic saves, env settings, warm starts.
+"""Tests for kiln/compile/artifacts/cache.py: keys, checked entry files, atomic saves, env settings, warm starts.
 
 Every cache here lives under tmp_path; torch's save/load functions are faked where only Kiln's
 logic is under test, and one test (marked inductor) does a real warm start in a second process.
@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import kiln.compile.cache as cache_module
-import kiln.compile.cache_key as cache_key_module
-from kiln.compile.cache import (ENTRY_SUFFIX, INDUCTOR_ENV, MAGIC, CompileCache, CorruptEntryError,
+import kiln.compile.artifacts.cache as cache_module
+import kiln.compile.artifacts.cache_key as cache_key_module
+from kiln.compile.artifacts.cache import (ENTRY_SUFFIX, INDUCTOR_ENV, MAGIC, CompileCache, CorruptEntryError,
                                 KilnCacheWarning, read_entry)
 from toy_models import EncoderDecoder
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 SETTINGS = {"backend": "inductor", "mode": None, "fullgraph": False, "dynamic": None}
 
@@ -299,7 +299,7 @@ def test_key_is_the_same_in_another_process():
     code = textwrap.dedent(f"""
         import sys, torch
         sys.path.insert(0, {str(TESTS_DIR)!r})
-        from kiln.compile.cache import CompileCache
+        from kiln.compile.artifacts.cache import CompileCache
         from toy_models import EncoderDecoder
         print(CompileCache("unused").key(EncoderDecoder(), {SETTINGS!r}, torch.device("cpu")))
     """)
@@ -476,7 +476,7 @@ WARM_START_CHILD = textwrap.dedent("""
     import torch
     from torch import nn
     import kiln
-    from kiln.compile.cache import CompileCache
+    from kiln.compile.artifacts.cache import CompileCache
     from torch._dynamo.utils import get_compilation_metrics
 
     class Block(nn.Module):

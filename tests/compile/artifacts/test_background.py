@@ -1,4 +1,4 @@
-"""Train while compiling (kiln/compile/background.py): eager steps while a helper process compiles
+"""Train while compiling (kiln/compile/artifacts/background.py): eager steps while a helper process compiles
 each region, a switch to its precompiled code between steps, and a helper that never outlives
 training or stops it."""
 
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from kiln import Accelerator, TorchDynamoPlugin
-from kiln.compile.background import BackgroundCompiler, example_inputs, tree_cpu_seconds, weightless_copy
+from kiln.compile.artifacts.background import BackgroundCompiler, example_inputs, tree_cpu_seconds, weightless_copy
 from kiln.compile.monitor import KilnFallbackWarning, KilnRecompileWarning
-from kiln.compile.signatures import call_signature
+from kiln.compile.artifacts.signatures import call_signature
 from toy_models import tiny_llama
 from torch_features import PRECOMPILE_BACKEND
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _llama():

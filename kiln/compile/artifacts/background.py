@@ -3,7 +3,7 @@ their first calls, while the training process runs those regions eagerly; betwee
 training process loads what is ready and switches each region to compiled code.
 
 Depends on torch and kiln.compile.isa_probe; never on the facade or a strategy. The helper is
-`python -m kiln.compile.background_helper` (not multiprocessing's spawn, which would run the user's
+`python -m kiln.compile.artifacts.background_helper` (not multiprocessing's spawn, which would run the user's
 script again in the helper when it lacks a main guard). It gets jobs as length-prefixed pickles on
 its stdin and answers on its stdout. It dies with the training process: Linux's parent-death
 signal, a watchdog on its parent's pid, and the end of its stdin.
@@ -333,7 +333,7 @@ class BackgroundCompiler:
         # One compiler process, not a pool per core: the helper is meant to use the core training left it.
         env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.background_helper"], env=env,
+            self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.artifacts.background_helper"], env=env,
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
         self._reader = threading.Thread(target=self._read, name="kiln-background-results", daemon=True)
         self._reader.start()
@@ -358,7 +358,7 @@ class BackgroundCompiler:
         self._restore_threads()
         if not self._warned:
             self._warned = True
-            from kiln.compile.monitor import KilnFallbackWarning
+            from kiln.compile.messages import KilnFallbackWarning
             warnings.warn(f"{why}: {then}", KilnFallbackWarning, stacklevel=4)
 
 
