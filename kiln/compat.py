@@ -194,16 +194,19 @@ class AccelerateCompat:
     @contextlib.contextmanager
     def profile(self, profile_handler: Any = None) -> Iterator[Any]:
         """A `torch.profiler.profile` built from ProfileKwargs (this call's, else the Accelerator's
-        kwargs_handlers', else the defaults); with `output_trace_dir` the main process writes a
-        Chrome trace there at the end."""
+        kwargs_handlers', else the defaults); with `output_trace_dir` every process writes its
+        Chrome trace there at the end, as `profile_<process_index>.json`, and then waits for the
+        others, as Accelerate does."""
         from kiln.kwargs_handlers import ProfileKwargs
 
         handler = profile_handler or self.profile_handler or ProfileKwargs()
         with handler.build() as profiler:
             yield profiler
-        if handler.output_trace_dir and self.is_main_process:
+        if handler.output_trace_dir:
             os.makedirs(handler.output_trace_dir, exist_ok=True)
-            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"trace_rank{self.process_index}.json"))
+            trace = os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json")
+            profiler.export_chrome_trace(trace)
+            self.wait_for_everyone()
 
     # ----- refused -----------------------------------------------------------------------------
     def lomo_backward(self, *args: Any, **kwargs: Any) -> None:

@@ -116,7 +116,9 @@ class ProfileKwargs(KwargsHandler):
 
     activities: "cpu", "cuda" (default: the CPU, and CUDA when available). schedule_option: the
     keywords of `torch.profiler.schedule` (wait, warmup, active, repeat, skip_first).
-    output_trace_dir: where the main process writes a Chrome trace when profiling ends.
+    on_trace_ready: handed to the torch profiler, which calls it as each scheduled recording ends.
+    output_trace_dir: where every process writes its Chrome trace, `profile_<process_index>.json`
+    (Accelerate's names), when the `profile()` block ends; the processes then wait for each other.
     """
 
     activities: list[str] | None = None

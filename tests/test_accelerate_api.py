@@ -2,6 +2,7 @@
 train_*.py, Accelerate's examples), on one process: each works as in Accelerate, or refuses at once."""
 
 import datetime
+import json
 import warnings
 
 import pytest
@@ -261,12 +262,25 @@ def test_object_collectives_and_memory_helpers_on_one_process(monkeypatch):
     assert not kiln.utils.tqdm(range(3), main_process_only=False).disable
 
 
-def test_profile_writes_a_trace(tmp_path):
-    acc = Accelerator(kwargs_handlers=[kiln.ProfileKwargs(record_shapes=True, output_trace_dir=str(tmp_path))])
+def test_profile_writes_profile_0_json_as_accelerate_names_it(tmp_path):
+    folder = tmp_path / "traces" / "run"  # made if missing
+    acc = Accelerator(kwargs_handlers=[kiln.ProfileKwargs(record_shapes=True, output_trace_dir=str(folder))])
     with acc.profile() as profiler:
         torch.randn(64, 64) @ torch.randn(64, 64)
     assert any("mm" in event.key for event in profiler.key_averages())
-    assert (tmp_path / "trace_rank0.json").stat().st_size > 0
+    assert sorted(path.name for path in folder.iterdir()) == ["profile_0.json"]
+    trace = json.loads((folder / "profile_0.json").read_text())  # Chrome's trace format
+    assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
+
+
+def test_profile_calls_on_trace_ready_at_each_scheduled_recording():
+    ready = []
+    handler = kiln.ProfileKwargs(schedule_option=dict(wait=0, warmup=0, active=1), on_trace_ready=ready.append)
+    with Accelerator().profile(handler) as profiler:
+        for _ in range(2):
+            torch.randn(8, 8) @ torch.randn(8, 8)
+            profiler.step()
+    assert ready == [profiler] * 3  # after each of the 2 recorded steps, and for the one open at the end
 
 
 def test_triggers_and_local_main_process_first_on_one_process():

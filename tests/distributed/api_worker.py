@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kiln import (Accelerator, DataLoaderConfiguration, DistributedDataParallelKwargs,  # noqa: E402
-                  InitProcessGroupKwargs)
+                  InitProcessGroupKwargs, ProfileKwargs)
 from kiln.utils import broadcast_object_list, gather_object  # noqa: E402
 
 
@@ -61,6 +61,10 @@ def main() -> None:
         if acc.is_main_process:  # only the main process calls it: it must not wait for the others
             acc.save({"x": torch.ones(2)}, args.out + ".saved.pt")
         acc.wait_for_everyone()
+        traces = args.out + ".traces"
+        with acc.profile(ProfileKwargs(output_trace_dir=traces)):
+            torch.randn(32, 32) @ torch.randn(32, 32)
+        seen["traces_after_profile"] = sorted(os.listdir(traces))  # every process has written by now
 
     elif args.mode == "split":
         acc = Accelerator(dataloader_config=DataLoaderConfiguration(split_batches=True))

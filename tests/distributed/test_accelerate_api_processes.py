@@ -1,5 +1,6 @@
 """Accelerate's API over two gloo processes: schedulers tick once per process, split and uneven
-batches, DDP and process-group kwargs, object collectives, triggers, and saving from one process."""
+batches, DDP and process-group kwargs, object collectives, triggers, saving from one process, and
+a profiler trace from each process."""
 
 import json
 import os
@@ -40,6 +41,11 @@ def test_process_facts_kwargs_handlers_and_collectives(tmp_path):
     assert first["marker_existed"] is False and second["marker_existed"] is True  # rank 0 went first
     assert (tmp_path / "plain.saved.pt").is_file()
     assert first["group_after_end_training"] is False and second["group_after_end_training"] is False
+    # Each process writes its own trace, named as Accelerate names it, before any leaves profile().
+    assert first["traces_after_profile"] == second["traces_after_profile"] == ["profile_0.json", "profile_1.json"]
+    for rank in range(2):
+        trace = json.loads((tmp_path / f"plain.traces/profile_{rank}.json").read_text())
+        assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
 
 
 def test_split_batches_divides_each_batch_and_ticks_once(tmp_path):
