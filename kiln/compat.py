@@ -63,10 +63,6 @@ class MegatronLMDummyScheduler(_Unsupported):
     reason = "Megatron-LM is not supported; use a torch LR scheduler"
 
 
-class LocalSGD(_Unsupported):
-    reason = "local SGD (periodic parameter averaging) is not supported; DDP averages gradients every step"
-
-
 class FP8RecipeKwargs(_Unsupported):
     reason = "fp8 training is not supported; use mixed_precision='bf16'"
 

@@ -19,7 +19,8 @@ import torch
 
 from kiln.accumulation import GradientAccumulationPlugin
 from kiln.collectives import broadcast_object, gather, gather_object, pad_across_processes, reduce
-from kiln.compat import DummyOptim, DummyScheduler, LocalSGD, MegatronLMDummyScheduler, init_empty_weights
+from kiln.compat import DummyOptim, DummyScheduler, MegatronLMDummyScheduler, init_empty_weights
+from kiln.local_sgd import LocalSGD  # Accelerate has it in accelerate.local_sgd only; kept here too
 from kiln.kwargs_handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
                                   GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs)
 from kiln.parallel.deepspeed import DeepSpeedPlugin

@@ -1,6 +1,6 @@
 """The strategy interface, and the strategy for one process (which changes nothing).
 
-Depends on torch, kiln.state, kiln.optim and kiln.checkpoint.sharded only.
+Depends on torch, kiln.state, kiln.optim, kiln.collectives and kiln.checkpoint.sharded only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from kiln import collectives
 from kiln.accumulation import GradientState
 from kiln.checkpoint.sharded import load_dcp
 from kiln.optim import PreparedOptimizer
@@ -27,6 +28,9 @@ class Strategy:
     sharded_checkpoints = False  # True: save_state writes each process's shard (DCP)
     activation_checkpointing = False  # True: prepare checkpoints each repeated block first
     owns_backward = False  # True: backward, the optimizer step, clipping and loss scaling are its own
+    # True: every process holds the whole model and, inside no_sync, steps it from its own gradients
+    # alone, so its parameters can be averaged (local SGD).
+    replicated = False
 
     def check_compile(self, dynamo_plugin: Any) -> None:
         """Refuse, at construction, a compile setting this strategy cannot run."""
@@ -62,6 +66,16 @@ class Strategy:
         """Gradients computed inside are not synchronised yet (accumulation)."""
         yield
 
+    def average_parameters(self, model: nn.Module) -> None:
+        """Local SGD's average: each parameter becomes its mean over the processes, in place (a
+        collective; the identity on one process). Only for `replicated` strategies."""
+        if not self.replicated:
+            raise NotImplementedError(f"{self.name} cannot average parameters across processes: each process "
+                                      "must hold the whole model and step it from its own gradients")
+        with torch.no_grad():
+            for param in self.unwrap(model).parameters():
+                param.copy_(collectives.reduce(param, "mean"))
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the optimizer at the parameters the strategy made (sharding replaces them)."""
 
@@ -92,3 +106,4 @@ class Strategy:
 
 class SingleProcess(Strategy):
     name = "single"
+    replicated = True

@@ -19,6 +19,7 @@ from kiln.parallel.base import Strategy
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    replicated = True
 
     def __init__(self, device: torch.device, ddp_kwargs: dict[str, Any] | None = None,
                  comm_hook: Callable[[DistributedDataParallel], None] | None = None) -> None:
