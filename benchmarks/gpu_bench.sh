@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_bench.sh --device cpu --plan tiny --backend aot_eager   # the same path on a CPU
 #
 # Needs torch (2.7 or later; DESIGN.md's table used 2.11), transformers, and accelerate for the
-# Accelerate rows; matplotlib for the plots (skipped with a note without it). Kiln is taken from this
+# Accelerate rows; torchao for the fp8 row (regional-fp8: torchao's float8 linear layers, compiled per
+# block; an error row without it); matplotlib for the plots (skipped with a note without it). Kiln is taken from this
 # checkout, installed or not. Flags after the script's name are passed to `kiln bench` and win over
 # the ones set here (argparse keeps the last). Files are named kiln_bench_<plan>.*. Rows run in the order of the plan (kiln/bench/plan.py):
 # the target rows first, so the budget cuts the least needed rows. Budget: 420 s of rows, plus

@@ -35,7 +35,7 @@ from kiln.process_api import ProcessAPI
 from kiln.project import ProjectConfiguration
 from kiln.state import ProcessState, set_current
 from kiln.compat import AccelerateCompat, refuse_unsupported_arguments
-from kiln.kwargs_handlers import (AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs,
+from kiln.kwargs_handlers import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs,
                                   InitProcessGroupKwargs, KwargsHandler, ProfileKwargs, sort_handlers)
 from kiln.tracking import TrackingAPI
 
@@ -77,7 +77,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         self.device_placement = device_placement
         self.precision = Precision(mixed_precision or os.environ.get("KILN_MIXED_PRECISION"), self.device,
                                    scaler_kwargs=handler_kwargs(handlers, GradScalerKwargs),
-                                   autocast_kwargs=handler_kwargs(handlers, AutocastKwargs))
+                                   autocast_kwargs=handler_kwargs(handlers, AutocastKwargs),
+                                   fp8_recipe=handlers.get(AORecipeKwargs))
         self.gradient_state = gradient_state(gradient_accumulation_steps, gradient_accumulation_plugin,
                                               deepspeed_plugin)
         self.dynamo_plugin = choose_dynamo_plugin(dynamo_plugin, dynamo_backend)
@@ -227,11 +228,14 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
-        """Device, activation checkpointing, compile (in place), the precision wrapper around the
-        compiled forward, and last the strategy (DDP wrapper, FSDP2 shards)."""
+        """Device, fp8's float8 linear layers, activation checkpointing, compile (in place), the
+        precision wrapper around the compiled forward, and last the strategy (DDP wrapper, FSDP2 shards)."""
         self._refuse_second_prepare(model)
         if device_placement if device_placement is not None else self.device_placement:
             model.to(self.device)
+        # fp8 swaps linear layers for torchao's Float8Linear before anything is compiled, so the
+        # compiled graphs hold the float8 matmuls (torchtitan's order: float8, checkpointing, compile).
+        self.precision.convert_linears(model, self.strategy.name)
         plugin = self.dynamo_plugin
         regional = plugin is not None and plugin.enabled and plugin.use_regional_compilation
         blocks = select_blocks(model, plugin.block_classes, plugin.block_paths) if regional else \

@@ -64,7 +64,18 @@ class MegatronLMDummyScheduler(_Unsupported):
 
 
 class FP8RecipeKwargs(_Unsupported):
-    reason = "fp8 training is not supported; use mixed_precision='bf16'"
+    reason = ("it configures TransformerEngine or MS-AMP fp8, which Kiln does not run; Kiln's fp8 is torchao's: "
+              "Accelerator(mixed_precision='fp8', kwargs_handlers=[AORecipeKwargs()])")
+
+
+class TERecipeKwargs(_Unsupported):
+    reason = ("TransformerEngine fp8 is not supported; Kiln's fp8 is torchao's: "
+              "Accelerator(mixed_precision='fp8', kwargs_handlers=[AORecipeKwargs()])")
+
+
+class MSAMPRecipeKwargs(_Unsupported):
+    reason = ("MS-AMP fp8 is not supported; Kiln's fp8 is torchao's: "
+              "Accelerator(mixed_precision='fp8', kwargs_handlers=[AORecipeKwargs()])")
 
 
 def init_empty_weights(*args: Any, **kwargs: Any) -> Any:
@@ -131,7 +142,13 @@ class AccelerateCompat:
         return self.process_index
 
     tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = property(lambda self: 0)
-    torch_device_mesh = parallelism_config = fp8_backend = property(lambda self: None)
+    torch_device_mesh = parallelism_config = property(lambda self: None)
+
+    @property
+    def fp8_backend(self) -> str | None:
+        """Under mixed_precision="fp8" "AO" (torchao, as Accelerate's FP8BackendType.AO), else None."""
+        return "AO" if self.mixed_precision == "fp8" else None
+
     is_composable_parallelism_enabled = property(lambda self: False)
 
     # ----- decorators ------------------------------------------------------------------------

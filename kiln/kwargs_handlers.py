@@ -1,8 +1,9 @@
 """Accelerate's kwargs handlers, `Accelerator(kwargs_handlers=[...])`: settings handed on to DDP, the
-process group, autocast, the fp16 gradient scaler and the profiler.
+process group, autocast, the fp16 gradient scaler, the profiler and torchao's fp8 recipe.
 
-Depends on torch only. As in Accelerate, a handler passes on only the fields set to something other
-than their default, and each handler type may be given once.
+Depends on torch only (AORecipeKwargs reads torchao, through kiln.fp8, when built). As in Accelerate,
+a handler passes on only the fields set to something other than their default, and each handler
+type may be given once.
 """
 
 from __future__ import annotations
@@ -146,7 +147,42 @@ class ProfileKwargs(KwargsHandler):
                                       with_flops=self.with_flops, with_modules=self.with_modules)
 
 
-HANDLERS = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs, ProfileKwargs)
+@dataclass
+class AORecipeKwargs(KwargsHandler):
+    """The fp8 recipe of `mixed_precision="fp8"` (torchao's float8 training; kiln/fp8.py).
+
+    config: a `torchao.float8.Float8LinearConfig`; by default one with `pad_inner_dim=True`.
+    module_filter_func: `(module, path) -> bool`, which linear layers to convert; by default all but
+    the first and last and those with a size not divisible by 16. pad_inner_dim: for the default
+    config. enable_fsdp_float8_all_gather: only False (Kiln's fp8 does not shard with FSDP2); unlike
+    Accelerate's default True, which wraps every weight in a torchao tensor subclass.
+
+    >>> Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(module_filter_func=keep_head)])
+    """
+
+    config: Any = None
+    module_filter_func: Callable | None = None
+    pad_inner_dim: bool | None = None
+    enable_fsdp_float8_all_gather: bool | None = None
+
+    def __post_init__(self) -> None:
+        from kiln.fp8 import require_torchao
+
+        require_torchao()  # as Accelerate, which fails here when torchao is missing
+        if self.enable_fsdp_float8_all_gather:
+            raise ValueError("AORecipeKwargs(enable_fsdp_float8_all_gather=True) is for FSDP2's float8 all-gather, "
+                             "and Kiln's fp8 does not shard with FSDP2; leave it unset")
+        if self.config is None:
+            from torchao.float8 import Float8LinearConfig
+
+            self.config = Float8LinearConfig(pad_inner_dim=self.pad_inner_dim is not False)
+        elif self.pad_inner_dim is not None:
+            raise ValueError("AORecipeKwargs got both config and pad_inner_dim; set pad_inner_dim in the "
+                             "Float8LinearConfig you pass")
+
+
+HANDLERS = (DistributedDataParallelKwargs, InitProcessGroupKwargs, AutocastKwargs, GradScalerKwargs, ProfileKwargs,
+            AORecipeKwargs)
 
 
 def sort_handlers(handlers: list[KwargsHandler] | None) -> dict[type, KwargsHandler]:

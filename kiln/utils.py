@@ -19,10 +19,12 @@ import torch
 
 from kiln.accumulation import GradientAccumulationPlugin
 from kiln.collectives import broadcast_object, gather, gather_object, pad_across_processes, reduce
-from kiln.compat import DummyOptim, DummyScheduler, MegatronLMDummyScheduler, init_empty_weights
+from kiln.compat import (DummyOptim, DummyScheduler, FP8RecipeKwargs, MegatronLMDummyScheduler, MSAMPRecipeKwargs,
+                         TERecipeKwargs, init_empty_weights)
 from kiln.local_sgd import LocalSGD  # Accelerate has it in accelerate.local_sgd only; kept here too
-from kiln.kwargs_handlers import (AutocastKwargs, DDPCommunicationHookType, DistributedDataParallelKwargs,
-                                  GradScalerKwargs, InitProcessGroupKwargs, KwargsHandler, ProfileKwargs)
+from kiln.kwargs_handlers import (AORecipeKwargs, AutocastKwargs, DDPCommunicationHookType,
+                                  DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs,
+                                  KwargsHandler, ProfileKwargs)
 from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
@@ -31,17 +33,18 @@ from kiln.state import DistributedType
 from kiln.tracking import LoggerType
 
 __all__ = [
-    "AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DeepSpeedPlugin",
-    "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler",
+    "AORecipeKwargs", "AutocastKwargs", "DDPCommunicationHookType", "DataLoaderConfiguration", "DeepSpeedPlugin",
+    "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler", "FP8RecipeKwargs",
     "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
-    "KwargsHandler", "LocalSGD", "LoggerType", "MegatronLMDummyScheduler", "PrecisionType", "ProfileKwargs",
-    "ProjectConfiguration", "TorchDynamoPlugin", "broadcast_object_list", "find_executable_batch_size", "gather",
-    "gather_object", "init_empty_weights", "pad_across_processes", "reduce", "release_memory", "set_seed", "tqdm",
+    "KwargsHandler", "LocalSGD", "LoggerType", "MSAMPRecipeKwargs", "MegatronLMDummyScheduler", "PrecisionType",
+    "ProfileKwargs", "ProjectConfiguration", "TERecipeKwargs", "TorchDynamoPlugin", "broadcast_object_list",
+    "find_executable_batch_size", "gather", "gather_object", "init_empty_weights", "pad_across_processes",
+    "reduce", "release_memory", "set_seed", "tqdm",
 ]
 
 
 class PrecisionType(str, enum.Enum):
-    """The `mixed_precision` values, as Accelerate spells them (FP8 is not supported by Kiln)."""
+    """The `mixed_precision` values, as Accelerate spells them (FP8 is torchao's float8 training)."""
 
     NO = "no"
     FP8 = "fp8"

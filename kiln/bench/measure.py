@@ -1,8 +1,9 @@
 """The compile suite's measurement of one row (build a Llama-style model, compile it one way, time it),
 and the helpers every suite's child uses: the row's model, peak memory, Dynamo's counts.
 
-Depends on torch, transformers, kiln.compile and (for its two methods only) accelerate; never on
-Kiln's facade, a distributed strategy or another suite (they import this module, not the reverse).
+Depends on torch, transformers, kiln.compile, (for its fp8 methods) kiln.fp8 and torchao, and (for
+its two Accelerate methods only) accelerate; never on Kiln's facade, a distributed strategy or
+another suite (they import this module, not the reverse).
 The child process's entry point is kiln.bench.child.
 """
 
@@ -14,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from kiln.bench.plan import DIFFUSION_MODELS, MODEL_SIZES
+from kiln.bench.plan import DIFFUSION_MODELS, FP8_METHODS, MODEL_SIZES
 from kiln.compile.artifacts.cache_key import cpu_model
 
 
@@ -39,6 +40,13 @@ def apply_method(model: Any, row: dict[str, Any]) -> Any:
         kwargs["mode"] = row["mode"]
     if method == "eager":
         return model
+    if method in FP8_METHODS:
+        from kiln.fp8 import convert_to_fp8
+
+        # Float8 linear layers before compiling, as Accelerator.prepare does under mixed_precision="fp8";
+        # the rows' bf16 weights keep the rest in bf16, as in the bf16 rows beside them.
+        convert_to_fp8(model)
+        method = method.removesuffix("-fp8")
     if method in ("full", "regional"):
         from kiln.compile.regions import compile_full, compile_regions
 

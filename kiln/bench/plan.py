@@ -54,7 +54,10 @@ GPU_SEQ = {"infer": 256, "train": 512}
 
 KILN_METHODS = ("eager", "full", "regional")
 ACCELERATE_METHODS = ("accelerate-full", "accelerate-regional")
-METHODS = KILN_METHODS + ACCELERATE_METHODS
+# fp8 training as `Accelerator(mixed_precision="fp8")` sets it up: the linear layers become torchao's
+# Float8Linear (kiln/fp8.py; needs torchao), then Kiln compiles whole or per block.
+FP8_METHODS = ("full-fp8", "regional-fp8")
+METHODS = KILN_METHODS + ACCELERATE_METHODS + FP8_METHODS
 WORKLOADS = ("infer", "train")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # Each suite's variants; kept here (not imported from the suite modules) so planning stays light.
@@ -144,11 +147,12 @@ PLANS: dict[str, list[Group]] = {
     ],
     # Every method on every workload and batch size: about 30 rows, 15-20 minutes on 2 cores.
     "cpu-full": [
-        Group(["small"], ["infer", "train"], [1, 4, 16], list(METHODS)),
+        Group(["small"], ["infer", "train"], [1, 4, 16], list(KILN_METHODS + ACCELERATE_METHODS)),
     ],
     # Logic checks in seconds with backend aot_eager; the GPU script's --device cpu path uses it.
     "tiny": [
-        Group(["tiny"], ["infer", "train"], [2], list(METHODS), seq={"infer": 32, "train": 32}, steps=3),
+        Group(["tiny"], ["infer", "train"], [2], list(KILN_METHODS + ACCELERATE_METHODS),
+              seq={"infer": 32, "train": 32}, steps=3),
     ],
     # diffusers UNets: a training step compiled whole and regionally (the SD UNet's regions are the
     # blocks it declares, the UNet2DModel's those Kiln finds), about 6 minutes with Inductor on 2
@@ -188,12 +192,14 @@ PLANS: dict[str, list[Group]] = {
     ],
     # One H200 in about 8 minutes (benchmarks/gpu_bench.sh gives it a 420 s budget). Ordered by what
     # the targets need, so the budget cuts the least needed rows: 1B inference and training at
-    # batch 4 with Accelerate beside Kiln, the CUDA-graphs batch-1 rows, 8B inference, then the rest.
-    # Estimated from DESIGN.md's H200 rows (10-15 s of process start each): about 450 s in all,
-    # so the last groups may be cut.
+    # batch 4 with Accelerate beside Kiln, the fp8 training step beside the bf16 one (not yet measured:
+    # one regional row, needs torchao, an error row without it), the CUDA-graphs batch-1 rows, 8B
+    # inference, then the rest. Estimated from DESIGN.md's H200 rows (10-15 s of process start each):
+    # about 500 s in all, so the last groups may be cut.
     "gpu": [
         Group(["1b"], ["infer"], [4], ["eager", "full", "regional", "accelerate-regional"], seq=GPU_SEQ, steps=20),
         Group(["1b"], ["train"], [4], ["eager", "full", "regional", "accelerate-regional"], seq=GPU_SEQ, steps=10),
+        Group(["1b"], ["train"], [4], ["regional-fp8"], seq=GPU_SEQ, steps=10),
         Group(["1b"], ["infer"], [1], ["eager", "full", "regional"], modes=["default", "reduce-overhead"],
               seq=GPU_SEQ, steps=20),
         Group(["8b"], ["infer"], [16], ["eager", "full", "regional"], seq=GPU_SEQ, steps=10),

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 DEFAULT_CONFIG = Path(os.environ.get("KILN_CONFIG_FILE", "~/.cache/kiln/default_config.yaml")).expanduser()
 DISTRIBUTED_TYPES = ("no", "ddp", "fsdp", "deepspeed")
-PRECISIONS = ("no", "fp16", "bf16")
+PRECISIONS = ("no", "fp16", "bf16", "fp8")  # fp8: torchao's float8 training (kiln/fp8.py)
 
 
 def _bool(value: Any) -> bool:

@@ -38,7 +38,7 @@ def test_flags_win_over_the_file_which_wins_over_defaults(tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     ({"num_procs": 2}, "unknown setting"),
-    ({"mixed_precision": "fp8"}, "mixed_precision: 'fp8' is not one of"),
+    ({"mixed_precision": "fp4"}, "mixed_precision: 'fp4' is not one of"),
     ({"dynamo_use_fullgraph": "maybe"}, "not a boolean"),
     ({"num_processes": 3, "num_machines": 2}, "does not split evenly"),
 ])
