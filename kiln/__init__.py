@@ -8,7 +8,7 @@ from kiln.accelerator import Accelerator
 from kiln.buckets import BucketCollator
 from kiln.checkpoint import CheckpointCorruptError, CheckpointMismatchError, load_model
 from kiln.checkpoint.training_state import LoadReport
-from kiln.compat import init_empty_weights
+from kiln.empty_init import init_empty_weights, init_on_device
 from kiln.compile.regions import KilnCompileWarning, compile_regions, find_repeated_blocks
 from kiln.compile.report import CompileReport, compile_report
 from kiln.data import KilnResumeWarning, skip_first_batches
@@ -51,6 +51,7 @@ __all__ = [
     "find_executable_batch_size",
     "find_repeated_blocks",
     "init_empty_weights",
+    "init_on_device",
     "load_model",
     "skip_first_batches",
 ]

@@ -25,6 +25,7 @@ from kiln.compile.regions import find_repeated_blocks, select_blocks, uncompile
 from kiln.compile.report import CompileReport
 from kiln.compile.session import CompileSession
 from kiln.data import PreparedDataLoader, skip_first_batches
+from kiln.empty_init import refuse_empty_optimizer, refuse_empty_tensors
 from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
@@ -231,6 +232,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         """Device, fp8's float8 linear layers, activation checkpointing, compile (in place), the
         precision wrapper around the compiled forward, and last the strategy (DDP wrapper, FSDP2 shards)."""
         self._refuse_second_prepare(model)
+        refuse_empty_tensors(model)  # before .to(): a meta tensor fails there deep inside torch
         if device_placement if device_placement is not None else self.device_placement:
             model.to(self.device)
         # fp8 swaps linear layers for torchao's Float8Linear before anything is compiled, so the
@@ -260,6 +262,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           device_placement: bool | None = None) -> PreparedOptimizer:
         self._refuse_second_prepare(optimizer)
+        refuse_empty_optimizer(optimizer)
         if (device_placement if device_placement is not None else self.device_placement) and optimizer.state:
             # Loaded optimizer state may sit on another device; a state_dict round trip moves it
             # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).

@@ -78,12 +78,6 @@ class MSAMPRecipeKwargs(_Unsupported):
               "Accelerator(mixed_precision='fp8', kwargs_handlers=[AORecipeKwargs()])")
 
 
-def init_empty_weights(*args: Any, **kwargs: Any) -> Any:
-    raise NotImplementedError("init_empty_weights is not supported by Kiln; build the model inside "
-                              "`with torch.device('meta'):` and materialise it with `model.to_empty(device=...)` "
-                              "(buffers then need re-initialising, which Accelerate's helper avoided)")
-
-
 class AccelerateCompat:
     """The Accelerator's smaller Accelerate attributes: settings read back, ranks of parallelism Kiln
     does not do, process decorators, uneven inputs, the profiler, and methods it refuses. Needs the

@@ -20,7 +20,8 @@ import torch
 from kiln.accumulation import GradientAccumulationPlugin
 from kiln.collectives import broadcast_object, gather, gather_object, pad_across_processes, reduce
 from kiln.compat import (DummyOptim, DummyScheduler, FP8RecipeKwargs, MegatronLMDummyScheduler, MSAMPRecipeKwargs,
-                         TERecipeKwargs, init_empty_weights)
+                         TERecipeKwargs)
+from kiln.empty_init import init_empty_weights
 from kiln.local_sgd import LocalSGD  # Accelerate has it in accelerate.local_sgd only; kept here too
 from kiln.kwargs_handlers import (AORecipeKwargs, AutocastKwargs, DDPCommunicationHookType,
                                   DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs,

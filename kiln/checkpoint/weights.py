@@ -6,6 +6,7 @@ compile package.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.checkpoint.integrity import read
+from kiln.checkpoint.integrity import CheckpointMismatchError, read
 
 SAFE_WEIGHTS = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -175,9 +176,49 @@ def load_state_dict(save_directory: str | os.PathLike) -> dict[str, torch.Tensor
 
 def load_model(model: nn.Module, save_directory: str | os.PathLike, strict: bool = True) -> nn.Module:
     """Load weights written by `Accelerator.save_model` into a plain model; a damaged weights file
-    is a `CheckpointCorruptError` that names it.
+    is a `CheckpointCorruptError` that names it. A model built under `init_empty_weights` is filled
+    in place (`fill_empty_tensors`).
 
     >>> load_model(MyModel(), "out/")
     """
-    model.load_state_dict(load_state_dict(save_directory), strict=strict)
+    state = load_state_dict(save_directory)
+    fill_empty_tensors(model, state)
+    model.load_state_dict(state, strict=strict)
     return model
+
+
+def fill_empty_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give each parameter and buffer of `model` still on the meta device (`init_empty_weights`)
+    its value from `state`, cast to its dtype, in place: `torch.utils.swap_tensors` keeps each
+    object, so tied weights and an optimizer built on them stay valid. `state` then holds those
+    tensors themselves, so the `load_state_dict` that follows copies nothing for them. A meta
+    tensor that `state` has no value for is a CheckpointMismatchError naming it (even with
+    strict=False: it would stay empty, and train on garbage)."""
+    empty: dict[int, tuple[torch.Tensor, list[str]]] = {}  # by object: tied names share one entry
+    for name, tensor in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                        model.named_buffers(remove_duplicate=False)):
+        if tensor.is_meta:
+            empty.setdefault(id(tensor), (tensor, []))[1].append(name)
+    missing = [names[0] for _, names in empty.values() if not any(name in state for name in names)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointMismatchError(
+            f"the checkpoint has no values for {len(missing)} tensor(s) of {type(model).__name__} that are on the "
+            f"meta device (built under init_empty_weights): {shown}. Load a checkpoint of this model; buffers "
+            "that are not saved (non-persistent ones such as rotary inv_freq) need init_empty_weights("
+            "include_buffers=False), the default")
+    storages: set[int] = set()
+    for tensor, names in empty.values():
+        value = state[next(name for name in names if name in state)]
+        if value.shape != tensor.shape:
+            continue  # load_state_dict reports the size mismatch, with the name
+        value = value.to(tensor.dtype)
+        if value.untyped_storage().data_ptr() in storages:
+            value = value.clone()  # tied in the file but not in this model: copy_ would not share either
+        storages.add(value.untyped_storage().data_ptr())
+        filled = nn.Parameter(value, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) \
+            else value.detach()
+        filled.__dict__.update(tensor.__dict__)  # swap_tensors swaps attributes too; keep the model's
+        torch.utils.swap_tensors(tensor, filled)
+        for name in names:
+            state[name] = tensor
