@@ -1,14 +1,16 @@
 """The checkpoint side of the Accelerator: where a project's files go, save_state/load_state with
 their hooks, automatic checkpoint names, and `save`.
 
-Depends on torch, kiln.project, kiln.checkpoint.training_state (Kiln's folders) and
-kiln.checkpoint.accelerate_folder (Accelerate's), choosing between the two; `Accelerator` builds on it and
-provides the prepared objects (`_models`, `_optimizers`, ...), the strategy and the process facts it reads.
+Depends on torch, kiln.project, kiln.plugins (its boolean parser), kiln.checkpoint.training_state (Kiln's
+folders) and kiln.checkpoint.accelerate_folder (Accelerate's), choosing between the two; `Accelerator` builds on
+it and provides the prepared objects (`_models`, `_optimizers`, ...), the strategy, the process facts and the
+compile session (`compiler`: its `save_artifacts`/`install_artifacts` carry compiled code in checkpoints) it reads.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import warnings
 from pathlib import Path
@@ -20,12 +22,17 @@ from torch.utils.hooks import RemovableHandle
 from kiln.project import ProjectConfiguration, latest_checkpoint, next_checkpoint, prune_checkpoints
 from kiln.data import KilnResumeWarning
 from kiln.checkpoint.accelerate_folder import is_accelerate_folder, load_accelerate_folder
+from kiln.checkpoint.integrity import COMPILE_ARTIFACTS
 from kiln.checkpoint.training_state import MANIFEST, LoadReport, load_training_state, save_training_state
+from kiln.plugins import parse_bool
+
+# Whether save_state carries the job's compiled code (default on, with the compile cache): docs/checkpoints.md.
+ENV_COMPILE_ARTIFACTS = "KILN_CHECKPOINT_COMPILE_ARTIFACTS"
 
 
 class CheckpointAPI:
-    """Needs `_models`, `_optimizers`, `_schedulers`, `_dataloaders`, `strategy`, `scaler` and the
-    process facts; `_init_checkpointing` sets up its own state."""
+    """Needs `_models`, `_optimizers`, `_schedulers`, `_dataloaders`, `strategy`, `scaler`, `compiler`
+    and the process facts; `_init_checkpointing` sets up its own state."""
 
     def _init_checkpointing(self, project_config: ProjectConfiguration | None,
                             project_dir: str | os.PathLike | None) -> None:
@@ -34,6 +41,7 @@ class CheckpointAPI:
         # OrderedDicts: RemovableHandle holds a weak reference to its dict, which a plain dict cannot take.
         self._save_state_pre_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
         self._load_state_pre_hooks: collections.OrderedDict[int, Callable] = collections.OrderedDict()
+        self._compile_artifacts_said = False  # their size is printed at the first save_state only
 
     @property
     def project_dir(self) -> str | None:
@@ -78,10 +86,15 @@ class CheckpointAPI:
 
         Without `output_dir`, `ProjectConfiguration(automatic_checkpoint_naming=True)` names it
         `<project_dir>/checkpoints/checkpoint_<iteration>`; once it is complete, the oldest automatic
-        checkpoints past `total_limit` are removed, and the iteration advances."""
+        checkpoints past `total_limit` are removed, and the iteration advances.
+
+        With the compile cache on, the job's compiled code goes in too (`compile_artifacts.kiln`), so
+        that `load_state` on a machine with empty caches starts warm; KILN_CHECKPOINT_COMPILE_ARTIFACTS=0
+        leaves it out (docs/checkpoints.md)."""
         if not safe_serialization:
             raise NotImplementedError("save_state always writes model weights as safetensors; drop "
                                       "safe_serialization=False")
+        carry_compile_artifacts = _compile_artifacts_on()  # a bad value fails here, before any process waits
         automatic = output_dir is None
         target = next_checkpoint(self.project_configuration) if automatic else Path(output_dir)
         saved = save_training_state(
@@ -89,7 +102,8 @@ class CheckpointAPI:
             schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
             scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
             is_main_process=self.is_main_process, barrier=self.wait_for_everyone,
-            save_hooks=list(self._save_state_pre_hooks.values()))
+            save_hooks=[*self._save_state_pre_hooks.values(),
+                        functools.partial(self._save_compile_artifacts, carry_compile_artifacts)])
         if automatic:
             if self.is_main_process:
                 prune_checkpoints(self.project_configuration)
@@ -128,8 +142,21 @@ class CheckpointAPI:
             load_hooks=list(self._load_state_pre_hooks.values()), strict=strict)
         if report.saved_processes != report.processes and self.is_main_process:
             warnings.warn(f"resuming on another number of processes: {report}", KilnResumeWarning, stacklevel=2)
+        if not is_accelerate:  # before the first step: compilation waits for the first call
+            self.compiler.install_artifacts(Path(input_dir) / COMPILE_ARTIFACTS, self.device, self.wait_for_everyone)
         self.wait_for_everyone()
         return report
+
+    def _save_compile_artifacts(self, carry: bool, models: list, weights: list, folder: str) -> None:
+        """A save hook, so the file is inside the staging folder that appears whole (training_state.py).
+        The main process writes: one machine's caches hold what the job compiled."""
+        if not carry or not self.is_main_process:
+            return
+        size, files = self.compiler.save_artifacts(Path(folder) / COMPILE_ARTIFACTS)
+        if size and not self._compile_artifacts_said:
+            self._compile_artifacts_said = True
+            print(f"compile artifacts: {size / 1e6:.1f} MB ({files} files) added to the checkpoint, so that a "
+                  f"machine with empty caches resumes warm; {ENV_COMPILE_ARTIFACTS}=0 leaves them out")
 
     def save(self, obj: Any, f: str | os.PathLike, safe_serialization: bool = False) -> None:
         """`torch.save` (or, with `safe_serialization`, safetensors for a dict of tensors) on the main
@@ -142,6 +169,11 @@ class CheckpointAPI:
             save_file({k: v.contiguous() for k, v in obj.items()}, str(f), metadata={"format": "pt"})
         else:
             torch.save(obj, f)
+
+
+def _compile_artifacts_on() -> bool:
+    value = os.environ.get(ENV_COMPILE_ARTIFACTS)
+    return True if value is None else parse_bool(value, ENV_COMPILE_ARTIFACTS)
 
 
 def _project_configuration(config: ProjectConfiguration | None,

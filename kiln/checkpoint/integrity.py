@@ -12,6 +12,9 @@ from typing import Any, Callable, Mapping, TypeVar
 
 T = TypeVar("T")
 SHOWN = 5  # mismatches named in one error
+# The compile artifacts a save may add (docs/checkpoints.md): the file checks itself, and its damage is a
+# warning and a cold compile at load, never a failed resume, so the manifest's strict checks leave it out.
+COMPILE_ARTIFACTS = "compile_artifacts.kiln"
 
 
 class CheckpointMismatchError(ValueError, RuntimeError):
@@ -24,12 +27,15 @@ class CheckpointCorruptError(OSError):
 
 
 def file_sizes(folder: Path) -> dict[str, int]:
-    """Every file under `folder`, by its path relative to it (with '/'), and its size in bytes."""
+    """Every file under `folder` but the compile artifacts, by its path relative to it (with '/'), and
+    its size in bytes."""
     sizes = {}
     for root, _, names in os.walk(folder):
         for name in names:
             path = Path(root) / name
-            sizes[path.relative_to(folder).as_posix()] = path.stat().st_size
+            relative = path.relative_to(folder).as_posix()
+            if relative != COMPILE_ARTIFACTS:
+                sizes[relative] = path.stat().st_size
     return dict(sorted(sizes.items()))
 
 

@@ -8,14 +8,16 @@ Depends on the rest of kiln.compile and kiln.plugins only; never on the facade o
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.cache import CompileCache
+from kiln.compile.artifacts.bundle import install_bundle, job_files, write_bundle
+from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
 from kiln.compile.report import CompileReport, compile_report
@@ -37,6 +39,8 @@ class CompileSession:
         self.background = None  # the helper that compiles while training (compile_in_background)
         self.models: list[nn.Module] = []  # the user's modules, unwrapped
         self._cache_keys: list[str] = []
+        self._loaded_keys: set[str] = set()  # keys whose entry was loaded into torch's caches
+        self._device: torch.device | None = None
         self._graphs_saved = 0
         self._steps = 0
 
@@ -50,6 +54,7 @@ class CompileSession:
         self.models.append(model)
         if self.plugin is None:
             return
+        self._device = device
         plugin = self.plugin
         kwargs = plugin.to_compile_kwargs()
         precompile = self.cache.precompiled_dir if self.cache is not None and plugin.precompile else None
@@ -73,7 +78,8 @@ class CompileSession:
         if self.cache is not None:
             settings = {**kwargs, **context, "regional": plugin.use_regional_compilation}
             key = self.cache.key(model, settings, device)
-            self.cache.load(key)  # before the first compiled call
+            if self.cache.load(key):  # before the first compiled call
+                self._loaded_keys.add(key)
             self._cache_keys.append(key)
 
     def _compile_in_background(self, model: nn.Module) -> None:
@@ -157,3 +163,52 @@ class CompileSession:
             for key in self._cache_keys:
                 self.cache.save(key)
             self._graphs_saved = graphs
+
+    # ----- compile artifacts in checkpoints (kiln.checkpoint.api) -------------------------------
+    def save_artifacts(self, path: Path) -> tuple[int, int]:
+        """Pack what a warm start of this job needs into `path` (one file in a checkpoint); (bytes,
+        files) written, (0, 0) when nothing was: the cache is off, this is not the writer, or nothing
+        compiled left files to carry (aot_eager and eager leave none unless regions are precompiled)."""
+        if self.cache is None or not self.cache.is_writer or self._device is None:
+            return 0, 0
+        self.save_cache()
+        folders = [region.precompiled.directory for model in self.models for region in compiled_regions(model)
+                   if region.precompiled is not None]
+        try:
+            files = job_files(self.cache, self._cache_keys, folders)
+            if not files:
+                return 0, 0
+            return write_bundle(Path(path), files, self._cache_keys, self._device), len(files)
+        except OSError as exc:  # the checkpoint is whole without them: a warning, not a failed save
+            Path(path).unlink(missing_ok=True)
+            warnings.warn(f"compile artifacts not added to the checkpoint: {exc}; a resume on a machine with "
+                          "empty caches compiles cold", KilnCacheWarning, stacklevel=2)
+            return 0, 0
+
+    def install_artifacts(self, path: Path, device: torch.device, barrier: Callable[[], None]) -> None:
+        """Install a checkpoint's compile artifacts into this machine's caches before the first step.
+
+        Collective: every process calls it. The local main process writes the files that are missing
+        (other local processes share its folder); then every process loads the cache entries it
+        missed at prepare. A bundle of another machine, torch, model or settings, or a damaged one,
+        is one KilnCacheWarning per machine and a cold compile; never an error.
+        """
+        if self.plugin is None:  # the same in every process (one configuration): no process waits alone
+            return
+        path = Path(path)
+        present = self.cache is not None and path.is_file()
+        if present and self.is_local_main:
+            result = install_bundle(path, self.cache, self._cache_keys, self._device or device)
+            if result.message is not None:
+                warnings.warn(result.message, KilnCacheWarning, stacklevel=3)  # the user's load_state()
+        barrier()  # whatever this process found: a machine whose cache folder failed must not hang the rest
+        if not present:
+            return
+        for key in self._cache_keys:
+            if key in self._loaded_keys:
+                continue
+            misses = self.cache.stats.misses  # prepare counted this key's miss already
+            if self.cache.load(key):
+                self._loaded_keys.add(key)
+                misses -= 1
+            self.cache.stats.misses = misses

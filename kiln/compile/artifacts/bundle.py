@@ -1,0 +1,205 @@
+"""Compile artifacts that travel with a checkpoint: the files one job's warm start needs, packed into one
+checked file with the key they are valid for, and installed into another machine's empty caches.
+
+Depends on torch, kiln.compile.artifacts.cache and cache_key only; never on kiln.checkpoint (which
+reaches this through CompileSession), the facade or a strategy.
+
+What is packed (names inside the bundle, relative to the folder they are installed into):
+    kiln/<key>.kiln                 Kiln's cache entries of the job's models (FX graph and AOTAutograd
+                                    entries; on a GPU also the Triton kernels, bundled by Inductor)
+    kiln/precompiled/<region>/...   the job's precompiled regions (.kpc artifacts, .jit notes)
+    inductor/<xx>/...               on a CPU, the C++ kernels this process loaded, built (.so, .o) and
+                                    their sources: without them gcc runs again (DESIGN.md section 3)
+Layout of the file: cache.pack_envelope's (magic line, one JSON header line, payload), the payload a
+gzip'd tar of the files above. The header holds the job keys and the machine they were built on.
+"""
+
+from __future__ import annotations
+
+import io
+import platform
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from kiln.compile.artifacts.cache import CompileCache, CorruptEntryError, pack_envelope, read_envelope, write_atomically
+from kiln.compile.artifacts.cache_key import device_name, triton_version
+
+MAGIC = b"KILN-COMPILE-ARTIFACTS\n"
+FORMAT_VERSION = 1
+KILN_PREFIX = "kiln/"
+INDUCTOR_PREFIX = "inductor/"
+# Files of a region folder that are someone's work in progress or private to a compile, never needed to load.
+SKIPPED_SUFFIXES = (".lock", ".tmp")
+SKIPPED_PARTS = (".aotautograd",)
+
+
+@dataclass
+class InstallResult:
+    """What `install_bundle` did: `installed` files written, `present` files already there; `message` is
+    set when nothing was installed for a reason the user is told (another machine, a damaged file)."""
+
+    installed: int = 0
+    present: int = 0
+    message: str | None = None
+
+
+def machine_key(device: torch.device | str) -> dict[str, str]:
+    """What decides whether compiled code runs here: versions, CPU architecture and vector
+    instructions, or the GPU and its compute capability. Two machines that differ here never share
+    artifacts."""
+    device = torch.device(device)
+    key = {"torch": torch.__version__, "triton": triton_version(),
+           "python": f"{platform.python_implementation()} {platform.python_version()}",
+           "machine": platform.machine(), "device_type": device.type, "device": device_name(device)}
+    if device.type == "cpu":
+        key["isa"] = cpu_vector_isa()
+    return key
+
+
+def cpu_vector_isa() -> str:
+    """The widest vector instruction set the CPU reports (what Inductor's C++ kernels are built for),
+    read from /proc/cpuinfo without running Inductor's probe (which builds code, isa_probe.py)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    for name in ("amx_tile", "avx512_vnni", "avx512bw", "avx512f", "avx2", "sve", "asimd", "neon"):
+        if name in flags:
+            return name
+    return platform.machine()
+
+
+def job_files(cache: CompileCache, keys: Iterable[str], region_folders: Iterable[Path]) -> dict[str, Path]:
+    """The files of one job's warm start, by their name in the bundle."""
+    files: dict[str, Path] = {}
+    for key in keys:
+        entry = cache.entry_path(key)
+        if entry.is_file():
+            files[KILN_PREFIX + entry.name] = entry
+    for folder in region_folders:
+        if not Path(folder).is_relative_to(cache.directory):
+            continue  # a folder the caller chose outside Kiln's: not this cache's to carry
+        for path in _files_under(Path(folder)):
+            files[KILN_PREFIX + path.relative_to(cache.directory).as_posix()] = path
+    inductor = cache.inductor_dir_in_use
+    for folder in loaded_kernel_folders(inductor):
+        for path in _files_under(folder):
+            files[INDUCTOR_PREFIX + path.relative_to(inductor).as_posix()] = path
+    return files
+
+
+def loaded_kernel_folders(inductor_dir: Path) -> set[Path]:
+    """The folders of the C++ kernels Inductor loaded in this process (built here or found on disk).
+
+    Inductor keys each kernel by a hash of its source and build command and keeps it at
+    `<cache dir>/<key[1:3]>/<key>.*` beside the other files of its build (codecache.get_path and
+    CppCodeCache.load_async, torch 2.13); `CppCodeCache.cache` and its subclasses' hold the keys of the
+    kernels loaded. The whole folder is taken: a build's objects sit in its main source's folder.
+    """
+    try:
+        from torch._inductor.codecache import CppCodeCache
+    except ImportError:
+        return set()
+    folders = set()
+    classes = [CppCodeCache]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        for key in list(getattr(cls, "cache", None) or ()):
+            folder = inductor_dir / str(key)[1:3]
+            if len(str(key)) > 3 and folder.is_dir():
+                folders.add(folder)
+    return folders
+
+
+def write_bundle(path: Path, files: dict[str, Path], keys: list[str], device: torch.device | str) -> int:
+    """Pack `files` (name in the bundle -> file) into `path` with the job keys and this machine's key;
+    the bundle's size in bytes."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
+        for name, source in sorted(files.items()):
+            data = source.read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    header = {"format": FORMAT_VERSION, "keys": sorted(set(keys)), "machine": machine_key(device),
+              "files": len(files)}
+    data = pack_envelope(MAGIC, header, buffer.getvalue())
+    write_atomically(path, data)
+    return len(data)
+
+
+def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str) -> InstallResult:
+    """Install a bundle's files into `cache`'s folders where they are missing, if it was built for this
+    machine and (when `keys` are known) for one of these jobs. Never raises for a bad bundle: a damaged
+    file, another torch or machine or other settings each give `message` and nothing installed."""
+    try:
+        header, payload = read_envelope(path.read_bytes(), MAGIC, FORMAT_VERSION,
+                                        "Kiln compile-artifacts bundle", ("keys", "machine"))
+        members = read_members(payload)
+    except (CorruptEntryError, OSError, tarfile.TarError, EOFError, ValueError) as exc:
+        return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
+    result = InstallResult()
+    here = machine_key(device)
+    differences = [f"{name} {header['machine'].get(name)!r} there, {value!r} here"
+                   for name, value in here.items() if header["machine"].get(name) != value]
+    if differences:
+        result.message = (f"compile artifacts {path} were built on another machine or torch ("
+                          + "; ".join(differences) + "): not installed; the first step compiles cold")
+        return result
+    if keys and not set(keys) & set(header["keys"]):
+        result.message = (f"compile artifacts {path} were built for another model or other compile settings "
+                          "(their job key differs): not installed; the first step compiles cold")
+        return result
+    for name, data in members:
+        target = _destination(name, cache)
+        if target.exists():
+            result.present += 1
+            continue
+        try:
+            write_atomically(target, data)  # a reader (another local process, Inductor) sees all of it or nothing
+        except OSError as exc:  # a full or read-only disk: what is written is whole, the rest compiles
+            result.message = (f"compile artifacts {path} installed only in part ({result.installed} files): {exc}; "
+                              "the rest compiles cold")
+            return result
+        result.installed += 1
+    return result
+
+
+def read_members(payload: bytes) -> list[tuple[str, bytes]]:
+    """(name, bytes) of every file in a bundle's tar; ValueError for a name that would land outside
+    the caches (absolute, `..`, or not under kiln/ or inductor/) or an entry that is not a file."""
+    members = []
+    with tarfile.open(fileobj=io.BytesIO(payload), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if (not member.isfile() or member.name.startswith("/") or ".." in parts
+                    or not member.name.startswith((KILN_PREFIX, INDUCTOR_PREFIX)) or len(parts) < 2):
+                raise ValueError(f"it holds {member.name!r}, which is not a cache file")
+            handle = tar.extractfile(member)
+            members.append((member.name, handle.read() if handle is not None else b""))
+    return members
+
+
+def _destination(name: str, cache: CompileCache) -> Path:
+    if name.startswith(INDUCTOR_PREFIX):
+        return cache.inductor_dir_in_use / name[len(INDUCTOR_PREFIX):]
+    return cache.directory / name[len(KILN_PREFIX):]
+
+
+def _files_under(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()
+                  and not p.name.endswith(SKIPPED_SUFFIXES) and not p.name.startswith(".tmp-")
+                  and not any(part in SKIPPED_PARTS for part in p.relative_to(folder).parts))
