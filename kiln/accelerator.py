@@ -29,6 +29,7 @@ from kiln.empty_init import refuse_empty_optimizer, refuse_empty_tensors
 from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
+from kiln.parallel.deepspeed_config_optimizer import DummyScheduler, refuse_without_engine
 from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.precision import Precision, remove_precision_wrapper
@@ -186,7 +187,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         if fsdp_plugin is not None:
             return FSDPStrategy(fsdp_plugin)
         if deepspeed_plugin is not None:
-            return DeepSpeedStrategy(deepspeed_plugin, self.precision.mode, self.gradient_accumulation_steps)
+            return DeepSpeedStrategy(deepspeed_plugin, self.precision.mode, self.gradient_accumulation_steps,
+                                     split_batches=self.dataloader_config.split_batches)
         if ddp_handler is None:
             return DDPStrategy(self.device)
         return DDPStrategy(self.device, ddp_handler.ddp_arguments(), ddp_handler.register_comm_hook)
@@ -205,6 +207,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         if len({id(o) for o in objects}) != len(objects):
             raise ValueError("the same object was passed to prepare twice in one call")
         results: list[Any] = [None] * len(objects)
+        refuse_without_engine(objects, self.strategy.name, self.num_processes)  # DummyOptim, DummyScheduler
         self.strategy.begin_prepare(objects)
         # Models first: a sharding strategy replaces their parameters, and optimizers must follow.
         for i, (obj, place) in enumerate(zip(objects, placements)):
@@ -293,6 +296,12 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
 
     def prepare_scheduler(self, scheduler: Any) -> PreparedScheduler:
         self._refuse_second_prepare(scheduler)
+        if isinstance(scheduler, DummyScheduler):  # the DeepSpeed engine built it from its config and steps it
+            refuse_without_engine([scheduler], self.strategy.name, self.num_processes)
+            prepared = self.strategy.wrap_config_scheduler(scheduler, self._optimizers, self.gradient_state)
+            self._schedulers.append(prepared)
+            self._prepared.update((scheduler, prepared))
+            return prepared
         wrapped = getattr(scheduler, "optimizer", None)
         optimizers = [opt for opt in self._optimizers if opt.optimizer is wrapped or opt is wrapped]
         if wrapped is not None and not optimizers:

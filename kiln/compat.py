@@ -49,16 +49,6 @@ class _Unsupported:
         raise NotImplementedError(f"{type(self).__name__} is not supported by Kiln: {self.reason}")
 
 
-class DummyOptim(_Unsupported):
-    reason = ("Kiln never builds DeepSpeed's optimizer from its config (an `optimizer` section is refused); "
-              "create a torch optimizer, e.g. torch.optim.AdamW(params, lr=...), and prepare it with the model")
-
-
-class DummyScheduler(_Unsupported):
-    reason = ("Kiln never builds DeepSpeed's scheduler from its config (a `scheduler` section is refused); "
-              "create a torch LR scheduler and prepare it")
-
-
 class MegatronLMDummyScheduler(_Unsupported):
     reason = "Megatron-LM is not supported; use a torch LR scheduler"
 

@@ -19,14 +19,14 @@ import torch
 
 from kiln.accumulation import GradientAccumulationPlugin
 from kiln.collectives import broadcast_object, gather, gather_object, pad_across_processes, reduce
-from kiln.compat import (DummyOptim, DummyScheduler, FP8RecipeKwargs, MegatronLMDummyScheduler, MSAMPRecipeKwargs,
-                         TERecipeKwargs)
+from kiln.compat import FP8RecipeKwargs, MegatronLMDummyScheduler, MSAMPRecipeKwargs, TERecipeKwargs
 from kiln.empty_init import init_empty_weights
 from kiln.local_sgd import LocalSGD  # Accelerate has it in accelerate.local_sgd only; kept here too
 from kiln.kwargs_handlers import (AORecipeKwargs, AutocastKwargs, DDPCommunicationHookType,
                                   DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs,
                                   KwargsHandler, ProfileKwargs)
 from kiln.parallel.deepspeed import DeepSpeedPlugin
+from kiln.parallel.deepspeed_config_optimizer import DummyOptim, DummyScheduler
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.project import ProjectConfiguration

@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO stages 0-3: the engine owns backward, the optimizer step, mixed precision and its
 own checkpoints; Kiln fills the engine's config from the Accelerator's settings.
 
-Depends on torch, kiln.optim, kiln.checkpoint and kiln.parallel.base; DeepSpeed itself is imported only when a
-DeepSpeed strategy is built (`pip install 'kiln-torch[deepspeed]'`), and its checkpoint converter runs as
-a child process when a checkpoint is resumed on another number of processes. The model arrives compiled in place,
-so `engine.module` is the user's module running its compiled blocks (DESIGN.md).
+Depends on torch, kiln.optim, kiln.checkpoint, kiln.parallel.base and kiln.parallel.deepspeed_config_optimizer
+(DummyOptim, DummyScheduler); DeepSpeed itself is imported only when a DeepSpeed strategy is built
+(`pip install 'kiln-torch[deepspeed]'`), and its checkpoint converter runs as a child process when a
+checkpoint is resumed on another number of processes. The model arrives compiled in place, so
+`engine.module` is the user's module running its compiled blocks (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from torch import nn
 
 from kiln.accumulation import GradientState
 from kiln.checkpoint.weights import load_state_dict, save_state_dict
-from kiln.optim import PreparedOptimizer
+from kiln.optim import PreparedOptimizer, PreparedScheduler
 from kiln.parallel.base import Strategy
+from kiln.parallel.deepspeed_config_optimizer import (DummyOptim, DummyScheduler, check_config_sections,
+                                                      fill_config_sections)
 from kiln.state import DistributedType
 
 OFFLOAD_DEVICES = ("none", "cpu")
-# Sections that would make DeepSpeed build its own optimizer or scheduler next to the user's.
-_REFUSED_SECTIONS = ("optimizer", "scheduler")
 
 
 def import_deepspeed() -> Any:
@@ -46,10 +47,11 @@ class DeepSpeedPlugin:
     """DeepSpeed settings; anything left None comes from the config or from the Accelerator.
 
     hf_ds_config: a DeepSpeed config as a dict or the path of a JSON file ("auto" values are
-    filled by Kiln). zero_stage: 0-3 (default 2). gradient_accumulation_steps: used when the
-    Accelerator's is left at 1. gradient_clipping: max gradient norm, applied by the engine inside
-    its step. offload_optimizer_device / offload_param_device: "none" or "cpu"
-    (parameters only with stage 3).
+    filled by Kiln); its `optimizer` and `scheduler` sections are built by the engine, with a
+    DummyOptim and a DummyScheduler prepared in their place. zero_stage: 0-3 (default 2).
+    gradient_accumulation_steps: used when the Accelerator's is left at 1. gradient_clipping: max
+    gradient norm, applied by the engine inside its step. offload_optimizer_device /
+    offload_param_device: "none" or "cpu" (parameters only with stage 3).
 
     >>> Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, gradient_clipping=1.0))
     """
@@ -142,14 +144,16 @@ def _fill(config: dict, keys: tuple[str, ...], value: Any, source: str) -> None:
 
 
 def build_config(plugin: DeepSpeedPlugin, *, mixed_precision: str, gradient_accumulation_steps: int,
-                 micro_batch_size: int | None) -> dict:
+                 micro_batch_size: int | None, optimizer: Any = None, scheduler: Any = None,
+                 ticks_per_step: int = 1) -> dict:
     """The engine's config: the user's, with "auto" and missing values filled from Kiln's settings
-    and every conflict an error (DeepSpeed would otherwise train with a setting nobody chose)."""
+    and every conflict an error (DeepSpeed would otherwise train with a setting nobody chose).
+    `optimizer` and `scheduler`: the model's in the prepare() call, a torch one or a DummyOptim /
+    DummyScheduler standing for the config's `optimizer` / `scheduler` section (which fill its "auto"
+    values); `ticks_per_step`: scheduler ticks per optimizer step (processes, or 1 with split batches)."""
     config = json.loads(json.dumps(plugin.hf_ds_config or {}))  # a deep copy, kept JSON-clean
-    refused = [name for name in _REFUSED_SECTIONS if name in config]
-    if refused:
-        raise ValueError(f"the DeepSpeed config has {' and '.join(refused)} section(s); Kiln hands DeepSpeed the "
-                         "torch optimizer and scheduler you prepare: remove the section(s)")
+    check_config_sections(config, optimizer, scheduler)
+    fill_config_sections(config, optimizer, scheduler, ticks_per_step)
     config.setdefault("zero_optimization", {})
     _fill(config, ("zero_optimization", "stage"), plugin.zero_stage, "DeepSpeedPlugin.zero_stage")
     config["zero_optimization"]["stage"] = planned_zero_stage(plugin)
@@ -254,7 +258,8 @@ class DeepSpeedStrategy(Strategy):
     Follows Accelerate's contract so scripts written for it run unchanged: `backward` runs the
     engine's backward and step (the step acts only at an accumulation boundary, which Kiln sets
     from `sync_gradients`); `optimizer.step()` and `zero_grad()` only record what the engine did;
-    gradient clipping is the engine's, configured by `gradient_clipping`.
+    gradient clipping is the engine's, configured by `gradient_clipping`. A DummyOptim / DummyScheduler
+    in place of the optimizer / scheduler makes the engine build them from its config's sections.
     """
 
     name = "deepspeed"
@@ -262,13 +267,16 @@ class DeepSpeedStrategy(Strategy):
     sharded_checkpoints = True
     owns_backward = True
 
-    def __init__(self, plugin: DeepSpeedPlugin, mixed_precision: str, gradient_accumulation_steps: int) -> None:
+    def __init__(self, plugin: DeepSpeedPlugin, mixed_precision: str, gradient_accumulation_steps: int,
+                 split_batches: bool = False) -> None:
         self.deepspeed = import_deepspeed()
         self.plugin = plugin
         self.mixed_precision = mixed_precision
         self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.split_batches = split_batches
         self.engine: Any = None
         self._call_optimizers: list[torch.optim.Optimizer] = []
+        self._call_schedulers: list[Any] = []
         self._micro_batch_size: int | None = None
         self._engine_optimizer: torch.optim.Optimizer | None = None
 
@@ -287,6 +295,8 @@ class DeepSpeedStrategy(Strategy):
         """DeepSpeed builds its engine from the model and optimizer together, and its config wants
         the batch size: remember what this prepare() call holds."""
         self._call_optimizers = [obj for obj in objects if isinstance(obj, torch.optim.Optimizer)]
+        self._call_schedulers = [obj for obj in objects if hasattr(obj, "step") and hasattr(obj, "optimizer")
+                                 and not isinstance(obj, (nn.Module, torch.optim.Optimizer))]
         for obj in objects:
             if isinstance(obj, torch.utils.data.DataLoader) and obj.batch_size is not None:
                 self._micro_batch_size = self._micro_batch_size or obj.batch_size
@@ -303,9 +313,14 @@ class DeepSpeedStrategy(Strategy):
         if len(owned) != 1:
             raise ValueError("with DeepSpeed, pass the model and its one optimizer to the same prepare() call "
                              f"(found {len(owned)} optimizer(s) for this model): the engine is built from both")
+        optimizer = owned[0]
+        schedulers = [s for s in self._call_schedulers if s.optimizer is optimizer or isinstance(s, DummyScheduler)]
+        scheduler = schedulers[0] if schedulers else None
+        ticks = 1 if self.split_batches else torch.distributed.get_world_size()
         config = build_config(self.plugin, mixed_precision=self.mixed_precision,
                               gradient_accumulation_steps=self.gradient_accumulation_steps,
-                              micro_batch_size=self._micro_batch_size)
+                              micro_batch_size=self._micro_batch_size, optimizer=optimizer, scheduler=scheduler,
+                              ticks_per_step=ticks)
         if config["zero_optimization"]["stage"] == 3 and block_paths:
             # ZeRO-3 gathers parameters in compiler-disabled hooks on every submodule, which would
             # break each compiled block into pieces (deepspeed 0.19). As leaf modules, whole blocks
@@ -313,9 +328,14 @@ class DeepSpeedStrategy(Strategy):
             from deepspeed.utils.z3_leaf_module import set_z3_leaf_modules_by_name
 
             set_z3_leaf_modules_by_name(model, block_paths)
-        engine, _, _, _ = self.deepspeed.initialize(model=model, optimizer=owned[0], config=config)
+        # A DummyOptim: the engine builds the config's optimizer over the user's parameters or groups.
+        built_here = {"model_parameters": optimizer.params} if isinstance(optimizer, DummyOptim) else \
+            {"optimizer": optimizer}
+        if isinstance(scheduler, DummyScheduler) and scheduler.lr_scheduler_callable is not None:
+            built_here["lr_scheduler"] = scheduler.lr_scheduler_callable  # called with the engine's optimizer
+        engine, _, _, _ = self.deepspeed.initialize(model=model, config=config, **built_here)
         self.engine = engine
-        self._engine_optimizer = owned[0]
+        self._engine_optimizer = optimizer
         return engine
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -326,7 +346,21 @@ class DeepSpeedStrategy(Strategy):
                        on_step: Callable[[], None] | None) -> PreparedOptimizer:
         if self.engine is None or optimizer is not self._engine_optimizer:
             raise ValueError("with DeepSpeed, prepare the optimizer together with its model in one prepare() call")
-        return EngineOptimizer(optimizer, gradient_state, self.engine, on_step)
+        # The torch optimizer the engine steps: the user's, or the one it built for a DummyOptim.
+        return EngineOptimizer(self.engine.basic_optimizer, gradient_state, self.engine, on_step)
+
+    def wrap_config_scheduler(self, scheduler: DummyScheduler, optimizers: list[PreparedOptimizer],
+                              gradient_state: GradientState) -> PreparedScheduler:
+        """The scheduler the engine built for a DummyScheduler (from its config, or its callable)."""
+        if self.engine is None or scheduler.optimizer is not self._engine_optimizer:
+            raise ValueError("with DeepSpeed, create the DummyScheduler from the optimizer prepared with the model "
+                             "(DummyScheduler(optimizer, ...)), and prepare it after or with them")
+        if self.engine.lr_scheduler is None:
+            raise ValueError("prepare() got a DummyScheduler, and the DeepSpeed engine was built without a "
+                             "scheduler: add a `scheduler` section to the config, or pass the DummyScheduler to the "
+                             "prepare() call that holds the model")
+        engine_optimizers = [opt for opt in optimizers if isinstance(opt, EngineOptimizer)]
+        return EngineScheduler(self.engine.lr_scheduler, engine_optimizers, gradient_state)
 
     def backward(self, loss: torch.Tensor, sync_gradients: bool, **kwargs: Any) -> None:
         if self.engine is None:
@@ -464,3 +498,15 @@ class EngineOptimizer(PreparedOptimizer):
 
     def __repr__(self) -> str:
         return f"EngineOptimizer({self.optimizer!r})"
+
+
+class EngineScheduler(PreparedScheduler):
+    """The scheduler handed back for a DummyScheduler: the engine steps it at the end of each
+    accumulation window (inside `backward`, skipped with the step on fp16 overflow), so `step` has
+    nothing left to do; its rates, `get_last_lr` and state are the engine scheduler's."""
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"EngineScheduler({self.scheduler!r})"

@@ -93,3 +93,46 @@ def test_deepspeed_zero_fp32_equals_the_plain_pytorch_loop(tmp_path, plain_llama
     for a, b in zip(plain["losses"], zero["losses"]):
         assert abs(a - b) <= 1e-5, (plain["losses"], zero["losses"])
     assert max_weight_difference(plain_weights, tmp_path / "zero.pt") <= 1e-5
+
+
+# The config's own optimizer and scheduler, which the engine builds for DummyOptim / DummyScheduler;
+# torch_adam: DeepSpeed's torch.optim.AdamW (without it, its FusedAdam, which this CPU build compiles
+# with g++ at the first use, minutes).
+CONFIG_OPTIMIZER = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_config_optimizer_and_scheduler_equal_deepspeeds_own_engine(tmp_path, stage):
+    """DummyOptim(lr=0.01, weight_decay=0.1) and DummyScheduler(total_num_steps=10 ticks, warmup_num_steps=2)
+    on 2 processes train as DeepSpeed's own loop (one process, the global batch) over the config those
+    values fill in; under ZeRO-2 the run is also resumed from a checkpoint saved after step 3."""
+    pytest.importorskip("deepspeed")
+    common = ("--model", "llama", "--lr", "0.01", "--samples", "60", "--clip", "none")
+    dummies = (*common, "--zero-stage", str(stage), "--config-optimizer", "--ds-config", json.dumps(CONFIG_OPTIMIZER))
+    save = ("--save-at", "3", "--keep-training") if stage == 2 else ()  # a save changes nothing in the run
+    kiln = run_worker(tmp_path, 2, *dummies, *save, "--save-weights", str(tmp_path / "kiln.pt"))
+    filled = json.loads(json.dumps(CONFIG_OPTIMIZER))
+    filled["optimizer"]["params"].update(lr=0.01, weight_decay=0.1)
+    # 10 ticks are 5 optimizer steps on 2 processes, the engine stepping its scheduler once per step.
+    filled["scheduler"]["params"].update(warmup_min_lr=0, warmup_max_lr=0.01, warmup_num_steps=2, total_num_steps=5)
+    # The global batch of 6 on one process; no clipping (DeepSpeed's default clips at 1.0), as Kiln's default.
+    filled.update(train_micro_batch_size_per_gpu=6, gradient_accumulation_steps=2, gradient_clipping=0.0,
+                  zero_optimization={"stage": stage})
+    own = run_worker(tmp_path, 1, *common, "--plain-deepspeed", "--ds-config", json.dumps(filled),
+                     "--save-weights", str(tmp_path / "own.pt"))
+    assert kiln["distributed_type"] == "DEEPSPEED" and all(calls > 0 for calls in kiln["calls"])
+    assert len(kiln["losses"]) == len(own["losses"]) == 5
+    # The rates the prepared scheduler reports are the engine's: warm-up from 0, then the decay.
+    assert kiln["lrs"] == pytest.approx(own["lrs"], abs=1e-12) and max(own["lrs"]) == pytest.approx(0.01)
+    for a, b in zip(own["losses"], kiln["losses"]):
+        assert abs(a - b) <= 1e-5, (own["losses"], kiln["losses"])
+    assert max_weight_difference(tmp_path / "own.pt", tmp_path / "kiln.pt") <= 1e-5
+    if save:  # the engine's optimizer state and its scheduler's position come back
+        resumed = run_worker(tmp_path, 2, *dummies, "--resume-from", str(tmp_path / "ckpt"))
+        assert len(resumed["losses"]) == 2 and resumed["lrs"] == kiln["lrs"][3:]
+        for a, b in zip(resumed["losses"], kiln["losses"][3:]):
+            assert abs(a - b) <= 1e-5, (resumed["losses"], kiln["losses"])

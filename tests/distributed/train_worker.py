@@ -23,7 +23,7 @@ from kiln.compile.regions import compiled_regions  # noqa: E402
 from kiln.parallel.deepspeed import DeepSpeedPlugin  # noqa: E402
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin  # noqa: E402
 from kiln.plugins import DataLoaderConfiguration  # noqa: E402
-from kiln.utils import set_seed  # noqa: E402
+from kiln.utils import DummyOptim, DummyScheduler, set_seed  # noqa: E402
 
 
 class Progress:
@@ -102,6 +102,39 @@ def plain_loop(args) -> None:
         json.dump({"losses": losses, "grad_norms": norms}, handle)
 
 
+def plain_deepspeed_loop(args) -> None:
+    """DeepSpeed's own loop over the complete config in --ds-config, on one process and without Kiln:
+    the engine builds the config's optimizer and scheduler, as `deepspeed.initialize` users write it."""
+    from ports import free_port
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        os.environ.setdefault(name, value)
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = build_model(args)
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                   config=args.ds_config)
+    loader = DataLoader(training_data(args), batch_size=args.global_batch, drop_last=True)
+    losses, lrs, window = [], [], 0.0
+    for index, (inputs, targets) in enumerate(loader):
+        loss = model_loss(args, engine, inputs, targets)["loss"]
+        engine.backward(loss)  # divides by the accumulation steps itself
+        engine.step()  # steps the optimizer and the scheduler at the end of each accumulation window
+        window += loss.item() / args.grad_accum
+        if (index + 1) % args.grad_accum == 0:
+            losses.append(window)
+            lrs.append(scheduler.get_last_lr()[0])
+            window = 0.0
+    if args.save_weights:
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):  # ZeRO-3's partitions, whole
+            torch.save({name: value.detach().clone() for name, value in model.state_dict().items()},
+                       args.save_weights)
+    with open(args.out, "w") as handle:
+        json.dump({"losses": losses, "lrs": lrs}, handle)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -135,10 +168,17 @@ def main() -> None:
     parser.add_argument("--ds-config", type=json.loads, default=None, help="a DeepSpeed config, as JSON")
     parser.add_argument("--save-weights", default=None, help="torch.save the final full state dict here")
     parser.add_argument("--plain", action="store_true", help="the plain PyTorch loop, without Kiln")
+    parser.add_argument("--plain-deepspeed", action="store_true",
+                        help="DeepSpeed's own engine loop over --ds-config (complete, no \"auto\"), without Kiln")
+    parser.add_argument("--config-optimizer", action="store_true",
+                        help="DummyOptim and DummyScheduler for the --ds-config's optimizer and scheduler sections")
     parser.add_argument("--precompile", action="store_true", help="precompiled regions (TorchDynamoPlugin(precompile=True))")
     args = parser.parse_args()
     if args.plain:
         plain_loop(args)
+        return
+    if args.plain_deepspeed:
+        plain_deepspeed_loop(args)
         return
 
     set_seed(0)
@@ -167,6 +207,11 @@ def main() -> None:
     # schedule is sized in ticks, the way Accelerate scripts size theirs.
     ticks = 1 if args.split_batches else acc.num_processes
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=ticks, gamma=0.5 if not args.constant_lr else 1.0)
+    if args.config_optimizer:  # the engine builds both from the config; "auto" values come from these
+        optimizer = DummyOptim(model.parameters(), lr=args.lr, weight_decay=0.1)
+        # As Accelerate scripts count it: the unprepared loader's batches (ticks) over the accumulation.
+        scheduler = DummyScheduler(optimizer, total_num_steps=len(loader) * args.epochs // args.grad_accum,
+                                   warmup_num_steps=2)
     model, optimizer, loader, eval_loader, scheduler = acc.prepare(model, optimizer, loader, eval_loader, scheduler)
     teacher = None
     if args.teacher:  # frozen: every strategy must take it alongside the trained model
@@ -178,7 +223,7 @@ def main() -> None:
     if args.resume_from:
         report = dataclasses.asdict(acc.load_state(args.resume_from))
 
-    losses, skipped, window = [], [], 0.0
+    losses, skipped, lrs, window = [], [], [], 0.0
     while progress.epoch < args.epochs:
         skip = progress.batches if (args.resume_from and not args.stateful and losses == []) else 0
         batches = acc.skip_first_batches(loader, skip) if skip else loader
@@ -204,6 +249,7 @@ def main() -> None:
             if acc.sync_gradients:
                 skipped.append(acc.optimizer_step_was_skipped)
                 losses.append(window)
+                lrs.append(scheduler.get_last_lr()[0])
                 window = 0.0
                 progress.steps += 1
                 if progress.steps == args.save_at:
@@ -236,7 +282,7 @@ def main() -> None:
             json.dump({"losses": losses, "calls": all_calls, "precompiled_calls": all_precompiled,
                        "precompile_notes": notes, "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
-                       "distributed_type": str(acc.distributed_type.value), "keys": sorted(full),
+                       "distributed_type": str(acc.distributed_type.value), "keys": sorted(full), "lrs": lrs,
                        "load_report": report}, handle)
     acc.end_training()
 
