@@ -1,8 +1,8 @@
 """A backend wrapper that counts what the compiler did for one region: graphs built, compiled calls run.
 
-Depends on torch and kiln.compile.isa_probe only. The counters are how Kiln proves compiled code
-ran (DESIGN.md: wrappers and mixed precision can hide it), so every region Kiln compiles goes
-through `TrackedBackend`.
+Depends on torch, kiln.compile.isa_probe and kiln.compile.progress only. The counters are how
+Kiln proves compiled code ran (DESIGN.md: wrappers and mixed precision can hide it), so every
+region Kiln compiles goes through `TrackedBackend`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from kiln.compile import isa_probe
+from kiln.compile.progress import PROGRESS
 
 
 def resolve_backend(backend: str | Callable, mode: str | None, options: dict | None, dynamic: bool | None):
@@ -63,7 +64,8 @@ class TrackedBackend:
         start = time.perf_counter()
         if isinstance(self.inner, torch._TorchCompileInductorWrapper):
             isa_probe.wait()  # Inductor's CPU probe, if Kiln started it (isa_probe.py)
-        compiled = self.inner(gm, example_inputs)
+        with PROGRESS.backend_compile(self.name):  # the live compile line (progress.py)
+            compiled = self.inner(gm, example_inputs)
         nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method")
         self.graphs.append(GraphRecord(len(self.graphs), time.perf_counter() - start, nodes))
 

@@ -1,6 +1,6 @@
 """Regional compilation: find the repeated blocks of a model and compile each block class once, in place.
 
-Depends on torch and kiln.compile.backend only; never on the facade or a distributed strategy.
+Depends on torch and the rest of kiln.compile; never on the facade or a distributed strategy.
 
 How a region is compiled, and why not with `module.compile()`:
 `module.compile()` compiles `nn.Module._call_impl`, one code object shared by every module in the
@@ -29,6 +29,7 @@ from torch import nn
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.groups import describe_difference, group_instances, shares_code
 from kiln.compile.monitor import MONITOR, check_recompile_policy
+from kiln.compile.progress import PROGRESS
 from kiln.compile.artifacts.aot_workarounds import region_entry
 from kiln.compile.artifacts.precompiled import EAGER, PrecompiledRegion, unsupported_reason
 from kiln.compile.artifacts.signatures import UnsupportedCall
@@ -342,6 +343,7 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
         compiled = torch.compile(entry, backend=tracked, **kwargs)
     region.compiled_forward = _region_forward(region, compiled)
     MONITOR.watch(region)
+    PROGRESS.watch()  # reads KILN_COMPILE_PROGRESS: a bad value is an error here, not mid-compile
     for module in instances:
         # A bound method, not a closure over the module: copy.deepcopy rebinds it to the copy.
         module.forward = types.MethodType(region.compiled_forward, module)
@@ -367,6 +369,13 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     backend = region.backend
 
     def forward(module, *args, **kwargs):
+        outer = PROGRESS.enter(region.name)  # names the region in the live compile line
+        try:
+            return run(module, *args, **kwargs)
+        finally:
+            PROGRESS.region = outer
+
+    def run(module, *args, **kwargs):
         handed_back = False  # a signature the background helper gave back to the JIT path
         if region.precompiled is not None and _stance() == "default":
             fn, signature = region.precompiled.function_for(module, args, kwargs)

@@ -19,6 +19,7 @@ from kiln.compile import isa_probe
 from kiln.compile.artifacts.bundle import install_bundle, job_files, write_bundle
 from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
 from kiln.compile.monitor import KilnFallbackWarning
+from kiln.compile.progress import PROGRESS
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
 from kiln.compile.report import CompileReport, compile_report
 from kiln.plugins import TorchDynamoPlugin
@@ -36,6 +37,8 @@ class CompileSession:
             cache.activate()
             self.cache = cache if cache.enabled else None
         self.is_local_main = is_local_main
+        if self.plugin is not None:
+            PROGRESS.is_main = is_local_main  # the live compile line: one per machine, as Accelerate's tqdm
         self.background = None  # the helper that compiles while training (compile_in_background)
         self.models: list[nn.Module] = []  # the user's modules, unwrapped
         self._cache_keys: list[str] = []
@@ -81,6 +84,7 @@ class CompileSession:
             if self.cache.load(key):  # before the first compiled call
                 self._loaded_keys.add(key)
             self._cache_keys.append(key)
+            PROGRESS.follow(key, [r.name for r in compiled_regions(model)], self.cache.read_record(key))
 
     def _compile_in_background(self, model: nn.Module) -> None:
         """One helper per machine: the local main process starts it, the other local processes
@@ -98,9 +102,10 @@ class CompileSession:
                     region.precompiled.background_wait = True
 
     def close(self) -> None:
-        """Stop the background compiler, if one runs."""
+        """Stop the background compiler, if one runs, and the live compile line's thread."""
         if self.background is not None:
             self.background.close()
+        PROGRESS.close(self._cache_keys)
 
     def check_dataloader(self, dataloader: DataLoader) -> None:
         """Warn when a short last batch would compile new graphs every epoch."""
@@ -158,6 +163,10 @@ class CompileSession:
         """Save what was compiled since the last save (the main process writes, all read)."""
         if self.cache is None:
             return
+        for key in self._cache_keys:  # graphs and seconds, for the next compile's estimate
+            record = PROGRESS.record(key)
+            if record is not None:
+                self.cache.write_record(key, record)
         graphs = self.report().graphs
         if graphs > self._graphs_saved:
             for key in self._cache_keys:

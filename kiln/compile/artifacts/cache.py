@@ -11,6 +11,8 @@ Two things survive a process, both under one folder (default ~/.cache/kiln/compi
   entries, not built kernels) in a checked envelope, for `load_cache_artifacts()` to refill a fresh
   Inductor folder (another machine, a wiped /tmp). Layout: the MAGIC line, one JSON header line
   (format, key, versions, created, payload_sha256, payload_bytes, description), then the payload.
+Beside them, `progress/<key>.json` records the graphs and seconds of the job's last compile, for the
+live compile line's estimate (kiln/compile/progress.py).
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ class CompileCache:
     def precompiled_dir(self) -> Path:
         """Where precompiled regions keep their artifacts (kiln/compile/artifacts/precompiled.py)."""
         return self.directory / "precompiled"
+
+    @property
+    def progress_dir(self) -> Path:
+        """Where each job's last compile record lives (graphs and seconds; kiln/compile/progress.py)."""
+        return self.directory / "progress"
 
     @property
     def inductor_dir_in_use(self) -> Path:
@@ -250,6 +257,34 @@ class CompileCache:
         self.stats.saves += 1
         return True
 
+    # ----- compile records: what the last compile of a job took, for the live line's estimate ----
+    def read_record(self, key: str) -> dict[str, Any] | None:
+        """The record `write_record` saved under `key`, or None (none yet, disabled, unreadable:
+        only an estimate rides on it, so an unreadable one is left for the next save to replace)."""
+        if not self.enabled:
+            return None
+        try:
+            record = json.loads(self._record_path(key).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return None
+        return record if isinstance(record, dict) else None
+
+    def write_record(self, key: str, record: dict[str, Any]) -> bool:
+        """Save a small JSON record (what the compile of `key` did) beside the entry; writer only.
+        Kept apart from the entry file, which exists only where torch saved artifacts (Inductor)."""
+        if not self.enabled or not self.is_writer:
+            return False
+        path = self._record_path(key)
+        try:
+            write_atomically(path, canonical_json(record).encode())
+        except OSError as exc:
+            warnings.warn(f"compile record {path} not written: {exc}", KilnCacheWarning, stacklevel=2)
+            return False
+        return True
+
+    def _record_path(self, key: str) -> Path:
+        return self.progress_dir / (self.entry_path(key).stem + ".json")
+
     # ----- housekeeping (`kiln cache ls`, `kiln cache clear`) ------------------------------
     def entries(self) -> list[CacheEntryInfo]:
         """Every entry file, newest first; unreadable ones are listed with their problem."""
@@ -283,6 +318,7 @@ class CompileCache:
             path.unlink(missing_ok=True)
         shutil.rmtree(self.inductor_dir, ignore_errors=True)
         shutil.rmtree(self.precompiled_dir, ignore_errors=True)
+        shutil.rmtree(self.progress_dir, ignore_errors=True)
         return removed
 
     def _entry_files(self) -> Iterator[Path]:

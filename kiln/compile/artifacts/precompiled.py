@@ -1,9 +1,10 @@
 """Precompiled regions: a region's forward and backward compiled ahead of time, once per input
 signature, saved in Kiln's cache folder, and loaded by later runs without any Dynamo trace.
 
-Depends on torch, kiln.compile.artifacts.cache and the modules it is made of (signatures: what a call is;
-aot_workarounds: torch behaviours worked around; messages); never on the facade, a strategy or
-kiln.compile.regions (regions.py builds a `PrecompiledRegion` and asks it for a function per call).
+Depends on torch, kiln.compile.artifacts.cache and the modules it is made of (signatures: what a
+call is; aot_workarounds: torch behaviours worked around; messages; progress: the live compile
+line); never on the facade, a strategy or kiln.compile.regions (regions.py builds a
+`PrecompiledRegion` and asks it for a function per call).
 
 Facts this rests on (torch 2.13, CPU): `torch.compile(fn, fullgraph=True).aot_compile(((args),
 {kwargs}))` compiles forward and backward in one go; `load_compiled_function` gives it back in a
@@ -40,6 +41,7 @@ from kiln.compile.artifacts.cache import (CorruptEntryError, KilnCacheWarning, p
                                 write_atomically)
 from kiln.compile.artifacts.cache_key import triton_version
 from kiln.compile.messages import first_line, guard_reason
+from kiln.compile.progress import PROGRESS
 from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, call_signature, region_key, signature_digest,
                                      signature_difference, signature_fields)
 
@@ -362,7 +364,8 @@ class PrecompiledRegion:
             hits = autograd_cache_hits()
             private = private_autograd_cache(self.directory / ".aotautograd" / signature_digest(signature))
             self._wait_for_isa_probe()
-            with as_class(module, self.block_class), private:
+            # torch 2.13's ahead-of-time compile runs no Dynamo compile callbacks: name it for the live line.
+            with as_class(module, self.block_class), private, PROGRESS.backend_compile(self.name, phase="forward and backward"):
                 compiled = compile_ahead_of_time(entry, examples, **kw)
             if not private.active and autograd_cache_hits() != hits:
                 raise ServedFromCache()
