@@ -69,7 +69,7 @@ SUITE_VARIANTS = {
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
                 "busy-regional-cold", "busy-background-cold"),
-    "local-processes": ("eager", "regional-cold", "precompiled-cold"),
+    "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
 }
 
 

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from kiln.compile import isa_probe
 from kiln.compile.artifacts.bundle import install_bundle, job_files, write_bundle
 from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
+from kiln.compile.artifacts.sharing import share_across_machines
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.progress import PROGRESS
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
@@ -40,6 +41,7 @@ class CompileSession:
         if self.plugin is not None:
             PROGRESS.is_main = is_local_main  # the live compile line: one per machine, as Accelerate's tqdm
         self.background = None  # the helper that compiles while training (compile_in_background)
+        self.sharing = None  # on several machines: precompiled signatures shared (sharing.py)
         self.models: list[nn.Module] = []  # the user's modules, unwrapped
         self._cache_keys: list[str] = []
         self._loaded_keys: set[str] = set()  # keys whose entry was loaded into torch's caches
@@ -73,6 +75,8 @@ class CompileSession:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, **kwargs)
         if plugin.compile_in_background:
             self._compile_in_background(model)
+        elif plugin.precompile:
+            self._share_across_machines(model)
         if plugin.precompile:
             for region in compiled_regions(model):
                 if region.precompile_off:
@@ -100,6 +104,15 @@ class CompileSession:
                     region.precompiled.background = self.background
                 else:
                     region.precompiled.background_wait = True
+
+    def _share_across_machines(self, model: nn.Module) -> None:
+        """On several machines, each precompiled signature is compiled on one and sent to the others
+        (kiln/compile/artifacts/sharing.py); one machine's processes share the folder instead."""
+        if self.sharing is None:
+            self.sharing = share_across_machines(self.cache)
+        for region in compiled_regions(model):
+            if region.precompiled is not None:
+                region.precompiled.sharing = self.sharing
 
     def close(self) -> None:
         """Stop the background compiler, if one runs, and the live compile line's thread."""

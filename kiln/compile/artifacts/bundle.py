@@ -88,11 +88,11 @@ def job_files(cache: CompileCache, keys: Iterable[str], region_folders: Iterable
     for folder in region_folders:
         if not Path(folder).is_relative_to(cache.directory):
             continue  # a folder the caller chose outside Kiln's: not this cache's to carry
-        for path in _files_under(Path(folder)):
+        for path in files_under(Path(folder)):
             files[KILN_PREFIX + path.relative_to(cache.directory).as_posix()] = path
     inductor = cache.inductor_dir_in_use
     for folder in loaded_kernel_folders(inductor):
-        for path in _files_under(folder):
+        for path in files_under(folder):
             files[INDUCTOR_PREFIX + path.relative_to(inductor).as_posix()] = path
     return files
 
@@ -124,6 +124,13 @@ def loaded_kernel_folders(inductor_dir: Path) -> set[Path]:
 def write_bundle(path: Path, files: dict[str, Path], keys: list[str], device: torch.device | str) -> int:
     """Pack `files` (name in the bundle -> file) into `path` with the job keys and this machine's key;
     the bundle's size in bytes."""
+    data = pack_bundle(files, keys, device)
+    write_atomically(path, data)
+    return len(data)
+
+
+def pack_bundle(files: dict[str, Path], keys: list[str], device: torch.device | str) -> bytes:
+    """A bundle's bytes (what `write_bundle` writes; sharing.py sends them to other machines)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
         for name, source in sorted(files.items()):
@@ -134,9 +141,7 @@ def write_bundle(path: Path, files: dict[str, Path], keys: list[str], device: to
             tar.addfile(info, io.BytesIO(data))
     header = {"format": FORMAT_VERSION, "keys": sorted(set(keys)), "machine": machine_key(device),
               "files": len(files)}
-    data = pack_envelope(MAGIC, header, buffer.getvalue())
-    write_atomically(path, data)
-    return len(data)
+    return pack_envelope(MAGIC, header, buffer.getvalue())
 
 
 def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str) -> InstallResult:
@@ -144,7 +149,17 @@ def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: tor
     machine and (when `keys` are known) for one of these jobs. Never raises for a bad bundle: a damaged
     file, another torch or machine or other settings each give `message` and nothing installed."""
     try:
-        header, payload = read_envelope(path.read_bytes(), MAGIC, FORMAT_VERSION,
+        data = path.read_bytes()
+    except OSError as exc:
+        return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
+    return install_packed(data, str(path), cache, keys, device)
+
+
+def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
+                   device: torch.device | str) -> InstallResult:
+    """`install_bundle` for a bundle's bytes; `path` names where they came from in messages."""
+    try:
+        header, payload = read_envelope(data, MAGIC, FORMAT_VERSION,
                                         "Kiln compile-artifacts bundle", ("keys", "machine"))
         members = read_members(payload)
     except (CorruptEntryError, OSError, tarfile.TarError, EOFError, ValueError) as exc:
@@ -197,7 +212,8 @@ def _destination(name: str, cache: CompileCache) -> Path:
     return cache.directory / name[len(KILN_PREFIX):]
 
 
-def _files_under(folder: Path) -> list[Path]:
+def files_under(folder: Path) -> list[Path]:
+    """The files of a cache folder worth carrying (no locks, temporary or private files)."""
     if not folder.is_dir():
         return []
     return sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()

@@ -92,6 +92,8 @@ class PrecompileStats:
     load_seconds: float = 0.0
     compile_seconds: float = 0.0
     wait_seconds: float = 0.0  # waiting for another local process to write an artifact
+    received: int = 0  # artifacts another machine compiled and sent here (sharing.py)
+    share_seconds: float = 0.0  # in exchanges with other machines, their compiles included
     notes: list[str] = field(default_factory=list)  # why a signature was not loaded from disk
 
 
@@ -139,6 +141,9 @@ class PrecompiledRegion:
         self._ready: set[tuple] = set()
         self._handed_back: set[tuple] = set()  # switched to the JIT path by poll, not JIT-compiled yet
         self._first_sent: float | None = None
+        # Jobs on several machines (kiln/compile/artifacts/sharing.py): one machine compiles each
+        # signature and the others receive it. None on one machine, where the folder is shared.
+        self.sharing: Any = None
 
     # ----- per call --------------------------------------------------------------------------
     def function_for(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable | None, tuple]:
@@ -158,7 +163,12 @@ class PrecompiledRegion:
             # under the dispatch state of its moment (torch 2.13): all must see the calls' state,
             # where autocast is off (it runs inside the function).
             with autocast_off(dict(signature)["autocast"]):
-                fn = self._load_or_compile(signature, module, args, kwargs)
+                # Training calls only: every process of a DDP or FSDP job makes them together, while
+                # evaluation may run on one process alone, which would wait for the others.
+                if self.sharing is not None and dict(signature)["grad_enabled"]:
+                    fn = self._shared(signature, module, args, kwargs)
+                if fn is _MISSING:
+                    fn = self._load_or_compile(signature, module, args, kwargs)
             self._functions[signature] = fn
         return fn, signature
 
@@ -308,6 +318,33 @@ class PrecompiledRegion:
                 self._note(f"{self._signature_text(signature)}: the local process that was compiling it "
                            "stopped without writing it; JIT path")
                 return None
+
+    def _shared(self, signature: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
+        """Across machines: one machine loads or compiles the signature, the others receive its
+        artifact into their folders. The function if this machine made it; _MISSING to load it (or
+        compile it, when not shared) from the folder; None for the JIT path."""
+        path = self._path(signature)
+
+        def compile_here() -> tuple[Callable | None, Path | None]:
+            fn = self._load_or_compile(signature, module, args, kwargs)
+            return fn, (path if fn is not None and path.exists() else None)
+
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        shared = self.sharing.exchange(self.name, signature_digest(signature), path.exists(), device, compile_here)
+        self.stats.share_seconds += shared.seconds
+        if shared.mismatch is not None:
+            self.sharing = None  # every process learnt it in the same exchange: none waits for another
+            self._note(f"{shared.mismatch}: not shared between machines, each compiles its own")
+            return _MISSING
+        if shared.here:
+            return shared.result
+        if shared.payload_missing:
+            self._note(f"{self._signature_text(signature)}: machine {shared.source} could not compile it "
+                       "ahead of time; JIT path")
+            return None
+        self.stats.received += 1
+        self._note(f"{self._signature_text(signature)}: received from machine {shared.source}")
+        return _MISSING
 
     def _load(self, path: Path) -> Callable | None:
         start = time.perf_counter()
