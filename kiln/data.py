@@ -65,7 +65,9 @@ class ShardedBatchSampler:
     def _epoch_batches(self) -> list[list[int]]:
         batches = [list(b) for b in self.batch_sampler]
         rounds, extra = divmod(len(batches), self.num_processes)
-        if not (self.drop_last or self.even_batches):  # the last round stays short
+        # One process has nothing to even out: its last batch stays short, as in the plain loop
+        # (padding it would train on repeated samples).
+        if self.num_processes == 1 or not (self.drop_last or self.even_batches):
             self.padded_samples = 0
             return batches
         if self.drop_last or not batches:

@@ -132,3 +132,13 @@ def test_a_position_saved_with_the_same_global_batch_on_other_processes_carries_
         warnings.simplefilter("error")
         resumed.load_state_dict(state)
     assert resumed.pending_skip == 3 and resumed.resume_note is None
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_one_process_keeps_the_short_last_batch_of_the_plain_loop(shuffle):
+    """A shuffled loader is rebuilt on one process too (its order then depends on seed and epoch);
+    its last batch stays short, each sample seen once, as the plain loop's: nothing to even out."""
+    loader = DataLoader(TensorDataset(torch.arange(10.0)), batch_size=4, shuffle=shuffle)
+    [(batches, padded)] = per_process(lambda: loader, 1)
+    assert [len(batch) for batch in batches] == [4, 4, 2] and padded == 0
+    assert sorted(i for batch in batches for i in batch) == [float(i) for i in range(10)]
