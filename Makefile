@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test test-fast test-torch-matrix bench clean
+.PHONY: setup demo test test-fast test-accelerate-examples test-torch-matrix bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,12 +38,18 @@ WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_get
 PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: $(DEV_STAMP)
-	$(PYTEST_PARALLEL) -m "not serial"
-	$(PY) -m pytest tests -q -m serial
+	$(PYTEST_PARALLEL) -m "not serial and not accelerate_examples"
+	$(PY) -m pytest tests -q -m "serial and not accelerate_examples"
 
 # The inner loop: no real Inductor compile, no launch (about 2 minutes on 2 cores).
 test-fast: $(DEV_STAMP)
-	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial"
+	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial and not accelerate_examples"
+
+# Accelerate's own example scripts, each run with the real Accelerate and on Kiln (1 and 2
+# processes, regional compile): 75 script runs, two at a time, on their own (25 minutes on 2 busy
+# cores: they would not fit make test's time). CI runs it after make test (.ci/run).
+test-accelerate-examples: $(DEV_STAMP)
+	$(PY) -m pytest tests/accelerate_examples -q -p no:xdist -m accelerate_examples
 
 # The torch matrix (.ci/run): the start-up, compile, accelerator and checkpoint tests on the other
 # torch versions Kiln supports, each in a virtual environment of its own. Any torch but the pinned
