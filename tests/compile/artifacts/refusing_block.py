@@ -36,7 +36,7 @@ class RefusedStack(nn.Module):
 
 
 def _refuse(*args, **kwargs):
-    raise RuntimeError("expected OutputCode, got function (refused by tests/compile/refusing_block.py, "
+    raise RuntimeError("expected OutputCode, got function (refused by tests/compile/artifacts/refusing_block.py, "
                        "as torch 2.11 refuses aot_eager's output)")
 
 
