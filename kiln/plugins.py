@@ -59,6 +59,23 @@ def parse_tristate(value: str, name: str) -> bool | None:
         ) from None
 
 
+def parse_workers(value: Any, name: str = "compile_workers") -> int | None:
+    """`compile_workers` as given (an int >= 1, or None/"auto" for Kiln's choice); a clear error otherwise."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "auto")):
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} must be a whole number >= 1 or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= 1 or None (Kiln chooses), got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1 (1 is a single helper process), got {value!r}; "
+                         "leave it unset for one worker per free core")
+    return value
+
+
 def _env(name: str, environ: Mapping[str, str]) -> str | None:
     return environ.get(ENV_PREFIX + name)
 
@@ -99,6 +116,13 @@ class TorchDynamoPlugin:
     # precompile): the first steps run the blocks eagerly while a helper process compiles them,
     # and each region switches to compiled code between steps once its artifact is ready.
     compile_in_background: bool | None = None
+    # Compile side by side, blocking (None: KILN_DYNAMO_PARALLEL_COMPILE, default off; implies
+    # compile_in_background): step 1 runs the blocks eagerly while the helpers compile every
+    # region group at once; at its end training waits for them and runs compiled from step 2.
+    parallel_compile: bool | None = None
+    # The background compiler's helper processes (None: KILN_COMPILE_WORKERS, default one per core
+    # training leaves free, every core with parallel_compile; 1 is a single helper).
+    compile_workers: int | None = None
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ, repr=False, compare=False)
     # Settings Kiln decided for the user (shown in the compile report), e.g. an implied fullgraph.
     notes: list[str] = field(default_factory=list, repr=False, compare=False)
@@ -133,6 +157,13 @@ class TorchDynamoPlugin:
             raw = _env("COMPILE_IN_BACKGROUND", env)
             name = ENV_PREFIX + "COMPILE_IN_BACKGROUND"
             self.compile_in_background = parse_bool(raw, name) if raw is not None else False
+        if self.parallel_compile is None:
+            raw = _env("PARALLEL_COMPILE", env)
+            name = ENV_PREFIX + "PARALLEL_COMPILE"
+            self.parallel_compile = parse_bool(raw, name) if raw is not None else False
+        self._workers_from = "argument" if self.compile_workers is not None else None
+        if self.compile_workers is None:
+            self.compile_workers = parse_workers(env.get("KILN_COMPILE_WORKERS"), "KILN_COMPILE_WORKERS")
         if self.precompile is None:  # stays None (off) unless the variable is set
             raw = _env("PRECOMPILE", env)
             self.precompile = parse_bool(raw, ENV_PREFIX + "PRECOMPILE") if raw is not None else None
@@ -167,6 +198,16 @@ class TorchDynamoPlugin:
         if not isinstance(self.compile_in_background, bool):
             raise TypeError(f"TorchDynamoPlugin.compile_in_background must be a bool, got "
                             f"{self.compile_in_background!r}")
+        if not isinstance(self.parallel_compile, bool):
+            raise TypeError(f"TorchDynamoPlugin.parallel_compile must be a bool, got {self.parallel_compile!r}")
+        self.compile_workers = parse_workers(self.compile_workers, "TorchDynamoPlugin.compile_workers")
+        if self.parallel_compile and not self.compile_in_background:
+            self.compile_in_background = True  # the same helpers and switch, with a wait after step 1
+            self.notes.append("compile_in_background=True, implied by parallel_compile=True")
+        if self._workers_from == "argument" and not self.compile_in_background:
+            raise ValueError(f"compile_workers={self.compile_workers} sizes the background compiler's helper "
+                             "processes; set compile_in_background=True or parallel_compile=True to use them, "
+                             "or leave compile_workers unset")
         if self.compile_in_background:
             if self.precompile is False:
                 raise ValueError("compile_in_background=True loads what the helper precompiled; it cannot "

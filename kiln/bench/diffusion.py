@@ -36,6 +36,14 @@ def build_unet(row: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     return model, model.config, inputs
 
 
+def unet_loss(model: Any, inputs: dict[str, Any]) -> Any:
+    """The noise-prediction loss of one batch (the start-up suite's training job)."""
+    import torch
+
+    call = {k: v for k, v in inputs.items() if k != "target"}
+    return torch.nn.functional.mse_loss(model(**call).sample, inputs["target"])
+
+
 def make_unet_step(run_model: Any, model: Any, inputs: dict[str, Any], row: dict[str, Any]) -> Callable[[], None]:
     """One training step (predict the noise, MSE, backward, AdamW, zero_grad) or one no_grad call."""
     import torch

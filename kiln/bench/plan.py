@@ -23,6 +23,9 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # issue 28's Llama: the start-up job's width, 6 layers (kiln bench --plan side-by-side)
+    "small6": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     "medium": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=12,
                    num_attention_heads=8, num_key_value_heads=4, vocab_size=2048),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -68,9 +71,12 @@ SUITE_VARIANTS = {
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
-                "busy-regional-cold", "busy-background-cold"),
+                "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
 }
+
+
+SIDE_BY_SIDE = ("full-cold", "parallel-cold")  # the side-by-side plan's own start-up variants
 
 
 @dataclass(frozen=True)
@@ -172,10 +178,21 @@ PLANS: dict[str, list[Group]] = {
     # compile; the small Llama and the demo's GPT-2 (about 8 minutes on 2 cores).
     "startup": [
         Group(["small", "demo"], ["train"], [4], ["regional"], suite="startup",
-              variants=[v for v in SUITE_VARIANTS["startup"] if not v.startswith("busy-")], steps=500),
+              variants=[v for v in SUITE_VARIANTS["startup"] if not v.startswith("busy-") and v not in SIDE_BY_SIDE],
+              steps=500),
         # The same job on a busy machine (a busy loop holds one core): 2000 steps each, small only.
         Group(["small"], ["train"], [4], ["regional"], suite="startup",
               variants=[v for v in SUITE_VARIANTS["startup"] if v.startswith("busy-")], steps=500),
+    ],
+    # Compiling side by side (issue 28): cold starts of the UNet2DModel whole, regional (serial JIT)
+    # and parallel_compile (a pool of helpers), and of a 6-layer Llama beside Accelerate's regional
+    # compile; the first 20 steps each, compared at the end of step 2. `--backend aot_eager` checks
+    # the logic in a minute; the targets are Inductor's (about 10 minutes on 2 cores).
+    "side-by-side": [
+        Group(["unet2d"], ["train"], [2], ["regional"], suite="startup", seq={"infer": 32, "train": 32},
+              variants=["full-cold", "regional-cold", "parallel-cold"], steps=20),
+        Group(["small6"], ["train"], [4], ["regional"], suite="startup",
+              variants=["accelerate-regional", "regional-cold", "parallel-cold"], steps=20),
     ],
     # Cold starts of 1 and 2 local processes (torch.distributed.run): does each region compile once
     # per machine? The start-up job's first 20 steps, eager, JIT (every process compiles) and

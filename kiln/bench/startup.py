@@ -11,6 +11,9 @@ Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache fold
     precompiled-warm        precompiled-cold's own folder (the next run of the same job)
     precompiled-warm-copy   a copy of precompiled-cold's folder at another path
     background-cold         compile_in_background=True, an empty folder
+    full-cold               Kiln's whole-model compile, JIT, an empty folder (the regional rows' yardstick)
+    parallel-cold           parallel_compile=True, an empty folder: step 1 eager while a pool of helpers
+                            compiles the region groups side by side, a wait, compiled from step 2
     accelerate-regional     Accelerate's own regional compile, an empty Inductor folder
     busy-<variant>          <variant> (eager, regional-cold, background-cold) on a busy machine: a
                             plain Python busy loop (nice 0) runs beside the job from its start to its end
@@ -28,7 +31,7 @@ from typing import Any
 from kiln.bench.plan import measured
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
-            "precompiled-warm-copy", "background-cold", "accelerate-regional")
+            "precompiled-warm-copy", "background-cold", "accelerate-regional", "full-cold", "parallel-cold")
 BUSY = "busy-"
 MILESTONES = (20, 100, 400, 500, 2000)
 # Background rows train 4x the steps (2000 for the plan's 500): on 2 cores the helper's compile
@@ -39,6 +42,11 @@ WARM_OVERHEAD_RATIO = 0.10  # a precompiled warm start's overhead over the cold 
 BACKGROUND_FIRST_STEP_RATIO = 2.0  # background mode's first step over an eager process's
 BACKGROUND_TIME_RATIO = 0.85  # background mode's time to 400 steps over the blocking compile's
 BUSY_TIME_RATIO = 1.0  # on a busy machine: background mode's time to 2000 steps over the blocking compile's
+# Issue 28 (side by side): compile overheads to the end of step 2 (the first compiled step of a
+# parallel_compile run), as ratios of rows of the same run.
+REGIONAL_OVER_FULL_RATIO = 0.6  # a UNet's regional cold compile over its whole-model compile
+PARALLEL_OVER_ACCELERATE_RATIO = 0.55  # Kiln's regional cold start over Accelerate's regional
+PARALLEL_CPU_RATIO = 1.15  # the job's CPU seconds (helpers included) over the blocking compile's
 # The demo's model (examples/train_lm.py's defaults): GPT-2, 4 layers of width 128.
 DEMO_GPT2 = dict(n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=256)
 
@@ -66,18 +74,31 @@ def _process_start() -> float:
 
 
 def _build(row: dict[str, Any]):
+    """(model, inputs, step loss): the row's model with random weights, one batch, and its loss."""
     import torch
 
+    from kiln.bench.plan import DIFFUSION_MODELS
+
+    if row["model"] in DIFFUSION_MODELS:
+        from kiln.bench.diffusion import build_unet, unet_loss
+
+        model, _, inputs = build_unet(row)
+        return model, inputs, unet_loss
     if row["model"] != "demo":
         from kiln.bench.measure import build_model
         model, config, ids = build_model(row)
-        return model, ids
-    import transformers
+    else:
+        import transformers
 
-    torch.manual_seed(row["seed"])
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**DEMO_GPT2, use_cache=False))
-    ids = torch.randint(0, DEMO_GPT2["vocab_size"], (row["batch"], row["seq"]))
-    return model, ids
+        torch.manual_seed(row["seed"])
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**DEMO_GPT2, use_cache=False))
+        ids = torch.randint(0, DEMO_GPT2["vocab_size"], (row["batch"], row["seq"]))
+    model.config.loss_type = model.loss_type = "ForCausalLM"  # see measure.measure
+    return model, ids, _lm_loss
+
+
+def _lm_loss(model: Any, ids: Any) -> Any:
+    return model(input_ids=ids, labels=ids, use_cache=False).loss
 
 
 def measure(row: dict[str, Any]) -> dict[str, Any]:
@@ -115,24 +136,27 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
     elif variant != "eager":
         from kiln import Accelerator, TorchDynamoPlugin
 
-        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=True, dynamic=False, use_regional_compilation=True,
+        regional = variant != "full-cold"  # a whole model may break its graph: fullgraph for regions only
+        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional, dynamic=False,
+                                   use_regional_compilation=regional,
                                    precompile=variant.startswith("precompiled") or None,
-                                   compile_in_background=variant == "background-cold")
+                                   compile_in_background=variant == "background-cold",
+                                   parallel_compile=variant == "parallel-cold")
         accelerator = Accelerator(dynamo_plugin=plugin, cpu=row["device"] == "cpu")
-    model, ids = _build(row)
+    model, ids, compute_loss = _build(row)
     model.train()
-    model.config.loss_type = model.loss_type = "ForCausalLM"  # see measure.measure
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     before_prepare = time.time()
     if accelerator is not None:
         model, optimizer = accelerator.prepare(model, optimizer)
         backward = accelerator.backward
     times, at, losses = [], {}, []
+    two_done, cpu_two = None, None
     long_run = variant == "background-cold" or row["variant"].startswith(BUSY)
     steps = row["steps"] * (BACKGROUND_STEPS_FACTOR if long_run else 1)
     for step in range(1, steps + 1):
         begin = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss = compute_loss(model, ids)
         (backward or torch.Tensor.backward)(loss)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -140,6 +164,8 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         losses.append(float(loss))
         if step == 1:
             first_done = time.time()
+        if step == 2:  # the first compiled step of every variant (parallel-cold's step 1 runs eagerly)
+            two_done, cpu_two = time.time(), _job_cpu_seconds()
         if step in MILESTONES:
             at[step] = round(time.time() - process_start, 3)
     steady = statistics.median(times[-50:])
@@ -148,6 +174,9 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         start_to_prepare_s=round(before_prepare - process_start, 3),
         first_s=round(first_done - before_prepare, 3), first_from_start_s=round(first_done - process_start, 3),
         overhead_s=round(first_done - before_prepare - steady, 3), steady_ms=round(steady * 1e3, 3),
+        two_s=two_done and round(two_done - before_prepare, 3),
+        two_overhead_s=two_done and round(two_done - before_prepare - 2 * steady, 3),
+        cpu_two_s=cpu_two,
         **{f"t{n}_s": at.get(n) for n in MILESTONES}, total_s=round(time.time() - process_start, 3),
         loss_first=round(losses[0], 6), loss_last=round(losses[-1], 6), torch=torch.__version__,
         threads=torch.get_num_threads(),
@@ -158,9 +187,20 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
                       precompiled_loaded=sum(r.precompiled_loaded for r in regions),
                       switch_step=min((r.switch_step for r in regions if r.switch_step is not None), default=None),
                       background_eager_calls=sum(r.background_eager_calls for r in regions))
+        report = accelerator.compile_report()
+        if report.timeline:  # who compiled which region group when (parallel-cold, background-cold)
+            result.update(timeline=report.timeline, compile_wait_s=report.compile_wait_seconds,
+                          compile_workers=len({job["worker"] for job in report.timeline}))
         accelerator.end_training()
     return result
 
+
+def _job_cpu_seconds() -> float | None:
+    """CPU seconds of this process and its helpers and compiler processes, living or reaped."""
+    from kiln.compile.artifacts.background import tree_cpu_seconds
+
+    cpu = tree_cpu_seconds(os.getpid())
+    return None if cpu is None else round(cpu, 2)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -177,6 +217,20 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['model']} | {r['variant']} | {cell('first_s')} | {cell('overhead_s')} | {cell('t20_s')} | "
                      f"{cell('t100_s')} | {cell('t400_s')} | {cell('t500_s')} | {cell('t2000_s')} | {r['steady_ms']:.1f} | "
                      f"{r.get('ran', '-')} | {cell('traces')} | {cell('switch_step')} |")
+    return "\n".join(lines)
+
+
+def side_by_side_table(rows: list[dict[str, Any]]) -> str:
+    """Issue 28's view: compile overhead and the job's CPU seconds to the end of step 2, the
+    helpers and how long training waited for them; empty without full-cold or parallel-cold rows."""
+    done = [r for r in measured(rows) if r.get("two_overhead_s") is not None]
+    if not any(r["variant"] in ("full-cold", "parallel-cold") for r in done):
+        return ""
+    lines = ["| model | variant | compile overhead to step 2 s | CPU s to step 2 | compile workers | waited s |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for r in done:
+        lines.append(f"| {r['model']} | {r['variant']} | {r['two_overhead_s']:.2f} | {r.get('cpu_two_s', '-')} | "
+                     f"{r.get('compile_workers', '-')} | {r.get('compile_wait_s', '-')} |")
     return "\n".join(lines)
 
 
@@ -206,6 +260,7 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if background and cold and background.get("t2000_s") and cold.get("t2000_s"):
             check("busy-background-cold time to 2000 steps / busy-regional-cold's",
                   background["t2000_s"] / cold["t2000_s"], BUSY_TIME_RATIO)
+        checks.extend(_side_by_side_checks(model, by))
         if background:
             switched = background.get("switch_step")
             checks.append({"target": f"{model}: busy-background-cold runs compiled code before step 2000",
@@ -213,13 +268,41 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return checks
 
 
+def _side_by_side_checks(model: str, by: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 28's targets on the compile overhead to the end of step 2 (parallel-cold's first
+    compiled step): UNet regional / full, Kiln's regional / Accelerate's, and CPU seconds."""
+    from kiln.bench.plan import DIFFUSION_MODELS
+
+    checks = []
+
+    def ratio(name: str, a: dict | None, b: dict | None, key: str, limit: float) -> None:
+        if a and b and a.get(key) and b.get(key):
+            value = a[key] / b[key]
+            checks.append({"target": f"{model}: {name} <= {limit}", "value": round(value, 3), "limit": limit,
+                           "met": value <= limit})
+
+    full, cold, parallel = by.get("full-cold"), by.get("regional-cold"), by.get("parallel-cold")
+    accelerate = by.get("accelerate-regional")
+    if model in DIFFUSION_MODELS:
+        for name, row in (("regional-cold", cold), ("parallel-cold", parallel)):
+            ratio(f"{name} compile to step 2 / full-cold's", row, full, "two_overhead_s", REGIONAL_OVER_FULL_RATIO)
+    else:
+        for name, row in (("regional-cold", cold), ("parallel-cold", parallel)):
+            ratio(f"{name} compile to step 2 / accelerate-regional's", row, accelerate, "two_overhead_s",
+                  PARALLEL_OVER_ACCELERATE_RATIO)
+    ratio("parallel-cold CPU seconds to step 2 / regional-cold's", parallel, cold, "cpu_two_s", PARALLEL_CPU_RATIO)
+    return checks
+
+
 def render(rows: list[dict[str, Any]]) -> str:
+    side_by_side = side_by_side_table(rows)
+    side_by_side = side_by_side and f"{side_by_side}\n\n"
     checks = "\n".join(f"- {c['target']}: {c['value']} ({'met' if c['met'] else 'missed'})" for c in target_checks(rows))
     return ("Start-up of a training job (AdamW), each row a fresh process; the step times are from the process's "
             "start, \"first step\" from just before `prepare` to the end of step 1, \"overhead\" that minus a "
             f"steady step (the median of the last 50); background and busy rows train {BACKGROUND_STEPS_FACTOR}x "
             "the steps; busy rows run beside a Python busy loop that takes one core.\n\n"
-            f"{table(rows)}\n\n{checks}\n")
+            f"{table(rows)}\n\n{side_by_side}{checks}\n")
 
 
 def progress(result: dict[str, Any]) -> str:

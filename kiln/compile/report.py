@@ -67,6 +67,10 @@ class CompileReport:
     regions: list[RegionReport]
     artifact_cache: dict[str, int] = field(default_factory=dict)  # Kiln's warm-start cache, if any
     settings: list[str] = field(default_factory=list)  # compile settings Kiln decided for the user
+    # The background compiler's jobs, in start order: region, signature, worker, start and end
+    # seconds after its first job, outcome (kiln/compile/artifacts/compile_pool.py).
+    timeline: list[dict] = field(default_factory=list)
+    compile_wait_seconds: float | None = None  # how long training waited for the helpers (parallel_compile)
 
     @property
     def graphs(self) -> int:
@@ -88,6 +92,8 @@ class CompileReport:
             "silent_regions": self.silent_regions,
             "artifact_cache": dict(self.artifact_cache),
             "settings": list(self.settings),
+            "timeline": [dict(job) for job in self.timeline],
+            "compile_wait_seconds": self.compile_wait_seconds,
             "regions": [{**asdict(r), "ran": r.ran} for r in self.regions],
         }
 
@@ -132,15 +138,26 @@ class CompileReport:
                              f"{', ...' if r.instances > 2 else ''}); unlike #1: {r.group_differs}")
         for note in self.settings:
             lines.append(f"setting: {note}")
+        if self.timeline:
+            workers = len({job["worker"] for job in self.timeline})
+            end = max(job["end"] for job in self.timeline)
+            waited = (f"; training waited {self.compile_wait_seconds:.1f} s for it"
+                      if self.compile_wait_seconds is not None else "")
+            lines.append(f"compile timeline: {len(self.timeline)} job(s) on {workers} helper process(es), "
+                         f"{end:.1f} s from the first{waited}")
+            for job in self.timeline:
+                lines.append(f"  worker {job['worker']}: {job['start']:6.1f} -> {job['end']:6.1f} s  "
+                             f"{job['region']} {job['signature']}  {job['outcome']}")
         if self.artifact_cache:
             lines.append("warm-start cache: " + ", ".join(f"{k} {v}" for k, v in self.artifact_cache.items()))
         return "\n".join(lines)
 
 
 def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = None,
-                   settings: list[str] | None = None) -> CompileReport:
+                   settings: list[str] | None = None, timeline: list[dict] | None = None,
+                   compile_wait_seconds: float | None = None) -> CompileReport:
     """The report for every region Kiln compiled in `models`; `settings`: notes on compile
-    settings decided for the user (an implied fullgraph)."""
+    settings decided for the user (an implied fullgraph); `timeline`: the background compiler's jobs."""
     MONITOR.collect()
     regions = []
     for model in models:
@@ -167,7 +184,8 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 paths=list(region.paths),
                 **_precompile_fields(region),
             ))
-    return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()))
+    return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),
+                         compile_wait_seconds)
 
 
 def _ahead_seconds(region) -> float:

@@ -96,7 +96,8 @@ class CompileSession:
         from kiln.compile.artifacts.background import BackgroundCompiler
 
         if self.is_local_main and self.background is None and self.cache is not None:
-            self.background = BackgroundCompiler(self.cache.precompiled_dir)
+            self.background = BackgroundCompiler(self.cache.precompiled_dir, workers=self.plugin.compile_workers,
+                                                 blocking=self.plugin.parallel_compile)
             self.background.start()
         for region in compiled_regions(model):
             if region.precompiled is not None:
@@ -142,7 +143,10 @@ class CompileSession:
     def report(self) -> CompileReport:
         stats = self.cache.stats.as_dict() if self.cache is not None else None
         notes = self.plugin.notes if self.plugin is not None else None
-        return compile_report(*self.models, artifact_cache=stats, settings=notes)
+        timeline = self.background.timeline() if self.background is not None else None
+        wait = self.background.wait_seconds if self.background is not None else None
+        return compile_report(*self.models, artifact_cache=stats, settings=notes, timeline=timeline,
+                              compile_wait_seconds=wait)
 
     def after_optimizer_step(self) -> None:
         """At the end of warm-up: recompiles meet the policy, silent regions are called out, and
@@ -150,6 +154,8 @@ class CompileSession:
         self._steps += 1
         if self.plugin is not None and self.plugin.compile_in_background:
             if self.background is not None:
+                if self.plugin.parallel_compile and self._steps == 1:
+                    self.background.wait_for_all()  # step 1 ran eagerly; compiled from step 2 on
                 self.background.check_progress()  # a starved helper is given up for a foreground compile
                 self.background.settle()
             for model in self.models:

@@ -1,10 +1,12 @@
-"""Train while compiling: a helper process compiles regions ahead of time from the signatures of
-their first calls, while the training process runs those regions eagerly; between steps the
-training process loads what is ready and switches each region to compiled code.
+"""Train while compiling: helper processes compile regions ahead of time from the signatures of
+their first calls, side by side, while the training process runs those regions eagerly; between
+steps (or, with parallel_compile, after a wait at the end of step 1) the training process loads
+what is ready and switches each region to compiled code.
 
-Depends on torch and kiln.compile.isa_probe; never on the facade or a strategy. The helper is
-`python -m kiln.compile.artifacts.background_helper` (not multiprocessing's spawn, which would run the user's
-script again in the helper when it lacks a main guard). It gets jobs as length-prefixed pickles on
+Depends on torch, kiln.compile.isa_probe and compile_pool (the helper processes); never on the
+facade or a strategy. A helper is `python -m kiln.compile.artifacts.background_helper` (not
+multiprocessing's spawn, which would run the user's script again in the helper when it lacks a
+main guard). It gets jobs as length-prefixed pickles on
 its stdin and answers on its stdout. It dies with the training process: Linux's parent-death
 signal, a watchdog on its parent's pid, and the end of its stdin.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
+from kiln.compile.artifacts.compile_pool import CompilePool, _read_frame, _write_frame, free_cores  # noqa: F401
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -105,13 +107,18 @@ def _example(desc: Any) -> Any:
     kind = desc[0]
     if kind == "tensor":
         _, shape, dtype, device, requires_grad, strides = desc
-        if strides is not None:
-            raise ValueError("a non-contiguous tensor argument cannot be rebuilt from its signature")
         dtype = getattr(torch, dtype.replace("torch.", ""))
+        # A non-contiguous argument (a UNet's channels-last or transposed activations) is rebuilt
+        # with its strides, which the compiled code's guards check: a view of a flat tensor just
+        # large enough, so that overlapping strides (an expanded tensor) need no in-place fill.
+        # (An empty tensor counts as contiguous: it has no strides here.)
+        flat = shape if strides is None else (1 + sum((n - 1) * s for n, s in zip(shape, strides)),)
         if dtype.is_floating_point or dtype.is_complex:
-            value = torch.randn(shape, dtype=dtype, device=device)
+            value = torch.randn(flat, dtype=dtype, device=device)
         else:
-            value = torch.zeros(shape, dtype=dtype, device=device)
+            value = torch.zeros(flat, dtype=dtype, device=device)
+        if strides is not None:
+            value = value.as_strided(shape, strides).detach()
         return value.requires_grad_(requires_grad)
     if kind in ("tuple", "list"):
         items = [_example(d) for d in desc[1]]
@@ -128,26 +135,33 @@ def _example(desc: Any) -> Any:
 # ---------------------------------------------------------------- the training process's side
 
 class BackgroundCompiler:
-    """The training process's handle on its helper process: submit jobs, see which are done."""
+    """The training process's handle on its helper processes (kiln/compile/artifacts/compile_pool.py):
+    submit jobs, see which are done, and (`wait_for_all`) block until all are."""
 
-    def __init__(self, log_dir: str | os.PathLike) -> None:
+    def __init__(self, log_dir: str | os.PathLike, workers: int | None = None, blocking: bool = False) -> None:
         self.log_dir = Path(log_dir)
-        self.process: subprocess.Popen | None = None
+        # blocking: training waits for the pool after its first step (parallel_compile), so the pool
+        # may take every core; else it takes the cores training leaves it (`default_workers`).
+        self.blocking = blocking
+        self.size = workers if workers is not None else default_workers(blocking)
+        # Waited for, the helpers are the step's critical path: they run at the training process's
+        # priority (nice 0), not below it (nice 10) as helpers beside eager steps do.
+        self.pool = CompilePool(self.size, self.log_dir, self._on_result, nice=0 if blocking else 10)
         self.done: dict[tuple[str, str], Outcome] = {}  # (region, digest) -> the helper's answer
-        self.failure: str | None = None  # why the helper is gone, once it is
+        self.failure: str | None = None  # why the helpers are gone, once they are
         self._lock = threading.Lock()
-        self._reader: threading.Thread | None = None
         self._warned = False
         self._importing = False
         self.submitted: set[tuple[str, str]] = set()
-        # The thread count training had before it made room for the helper, while it runs on one
+        # The thread count training had before it made room for the helpers, while it runs on one
         # thread fewer (`_make_room`); None otherwise. Signatures record this count, not the lower one.
         self.own_threads: int | None = None
         self._made_room = False
         self._cpu_inductor = False  # a job compiles Inductor CPU code: loading it needs isa_probe's answers
         self._watch: tuple[float, float] | None = None  # (when, helper CPU seconds) a watch window began
-        self.abandoned: str | None = None  # why the helper was given up for a foreground compile
-        self._looked = float("-inf")  # when check_progress last read the helper's CPU time
+        self.abandoned: str | None = None  # why the helpers were given up for a foreground compile
+        self._looked = float("-inf")  # when check_progress last read the helpers' CPU time
+        self.wait_seconds: float | None = None  # how long `wait_for_all` blocked training
 
     def submit_signature(self, region: Any, module: nn.Module, signature: tuple, digest: str) -> bool:
         """Build the job for one signature of a `PrecompiledRegion` met at `module`, and send it."""
@@ -167,12 +181,11 @@ class BackgroundCompiler:
         return False
 
     def submit(self, job: Job, digest: str) -> bool:
-        """Send a job; False when the helper cannot take it (it failed or died)."""
+        """Queue a job for the first idle helper; False when the helpers cannot take it (they failed or died)."""
         if self.failure is not None:
             return False
         try:
-            self._start()
-            _write_frame(self.process.stdin, pickle.dumps((digest, job)))
+            self.pool.submit(job.region, digest, signature_text(job.signature), pickle.dumps((digest, job)))
         except (OSError, pickle.PicklingError, AttributeError, TypeError) as exc:
             self._fail(f"a job could not be sent ({type(exc).__name__}: {exc})")
             return False
@@ -180,6 +193,13 @@ class BackgroundCompiler:
         self._cpu_inductor |= _cpu_inductor(job)
         self._make_room()
         return True
+
+    def _on_result(self, region: str | None, digest: str | None, error: str | None, jit_only: str | None) -> None:
+        if region is None:  # an answer this process cannot read
+            self.failure = error
+            return
+        with self._lock:
+            self.done[(region, digest)] = Outcome(error, jit_only)
 
     def _make_room(self) -> None:
         """Before the first switch, training runs on one thread fewer when its threads fill every
@@ -190,17 +210,14 @@ class BackgroundCompiler:
             return
         self._made_room = True
         threads = torch.get_num_threads()
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not Linux
-            cores = os.cpu_count() or threads
+        cores = free_cores()
         if threads > 1 and threads >= cores:
             self.own_threads = threads
             torch.set_num_threads(threads - 1)
             print(f"[kiln] compiling in the background: training runs on {threads - 1} of its {threads} threads "
                   "until the first compiled regions are ready", file=sys.stderr, flush=True)
 
-    # A helper that gets less than this share of one core while jobs wait is starved: the machine
+    # A pool that gets less than this share of one core while jobs wait is starved: the machine
     # is busy (another job, dataloader workers, a shared VM). Measured on 2 cores beside a busy
     # process: the helper at nice 10 got about 17% of a core and built 3 kernels in 3 minutes, and
     # the run never switched (2000 eager steps). An idle core gives it 90-100%.
@@ -208,11 +225,13 @@ class BackgroundCompiler:
     WATCH_SECONDS = 5.0  # how long a window the share is measured over
 
     def check_progress(self) -> bool:
-        """Between steps: watch the CPU the helper (with its compiler processes) gets while jobs
-        wait; when it is starved, give it up (`abandon`) and return True: its regions are then
-        JIT-compiled in the foreground at this step boundary, which on a busy machine finishes
-        far sooner than a helper at nice 10 would."""
-        if self.process is None or self.failure is not None:
+        """Between steps: watch the CPU the helpers (with their compiler processes) get while jobs
+        wait; when they are starved, give them up (`abandon`) and return True: their regions are
+        then JIT-compiled in the foreground at this step boundary, which on a busy machine finishes
+        far sooner than helpers at nice 10 would. Not when training waits for them (`blocking`):
+        they then run at its own priority, and a foreground compile would get no larger share of
+        the busy machine, only lose what they finished."""
+        if not self.pool.workers or self.failure is not None or self.blocking:
             return False
         with self._lock:
             outstanding = bool(self.submitted - set(self.done))
@@ -223,9 +242,10 @@ class BackgroundCompiler:
         if now - self._looked < 0.5:  # reading /proc costs a few ms: not at every short step
             return False
         self._looked = now
-        cpu = tree_cpu_seconds(self.process.pid)
-        if cpu is None:  # no /proc (not Linux), or the helper just ended
+        used = [tree_cpu_seconds(pid) for pid in self.pool.pids()]
+        if any(cpu is None for cpu in used):  # no /proc (not Linux), or a helper just ended
             return False
+        cpu = sum(used)
         if self._watch is None:
             self._watch = (now, cpu)
             return False
@@ -241,13 +261,27 @@ class BackgroundCompiler:
         return True
 
     def abandon(self, why: str) -> None:
-        """Stop the helper and JIT-compile its outstanding regions here: said once, as a warning."""
+        """Stop the helpers and JIT-compile their outstanding regions here: said once, as a warning."""
         self.abandoned = why
-        process = self.process
         self._fail(why, then="compiling in the foreground instead: the regions it had not compiled yet are "
                              "JIT-compiled at this step boundary, reusing what it finished")
-        if process is not None and process.poll() is None:
-            process.kill()
+        self.pool.kill()
+
+    def wait_for_all(self, poll_seconds: float = 0.05) -> float:
+        """Block until every submitted job is answered, a helper died, or the pool was given up as
+        starved (the blocking flavour, `parallel_compile`); the seconds it blocked."""
+        began = time.perf_counter()
+        self._start_import()
+        while self.failure is None:
+            with self._lock:
+                if not self.submitted - set(self.done):
+                    break
+            self._check_alive()
+            if self.check_progress():
+                break
+            time.sleep(poll_seconds)
+        self.wait_seconds = round((self.wait_seconds or 0.0) + time.perf_counter() - began, 3)
+        return self.wait_seconds
 
     def settle(self) -> None:
         """Between steps: give training its threads back once no job is outstanding (then the
@@ -256,7 +290,7 @@ class BackgroundCompiler:
             return
         with self._lock:
             outstanding = self.submitted - set(self.done)
-        if outstanding and self.failure is None and self.process is not None and self.process.poll() is None:
+        if outstanding and self.failure is None and self._check_alive():
             return
         self._restore_threads()
 
@@ -265,28 +299,48 @@ class BackgroundCompiler:
         if own is not None and torch.get_num_threads() == own - 1:  # unless the script changed it meanwhile
             torch.set_num_threads(own)
 
-    def status(self, region: str, digest: str) -> tuple[bool, Outcome | None]:
-        """(finished, outcome) of a job; a dead helper finishes every job with its cause."""
+    def _start_import(self) -> None:
         if not self._importing:
             # Inductor's runtime is what loading an artifact imports (1-2 s here). Imported on a
-            # thread from the first poll on (after step 1, which it would slow down: the import
-            # holds the GIL), beside the eager steps, so the switch does not wait for it.
+            # thread from the first poll or wait on (after step 1, which it would slow down: the
+            # import holds the GIL), beside the eager steps, so the switch does not wait for it.
             self._importing = True
             threading.Thread(target=_import_runtime, args=(self._cpu_inductor,), name="kiln-import-inductor",
                              daemon=True).start()
+
+    def _check_alive(self) -> bool:
+        """False, and the pool failed with the cause, once a helper has exited while running."""
+        if self.failure is not None:
+            return False
+        dead = None if self.pool.closed else self.pool.dead()
+        if dead is None:
+            return bool(self.pool.workers)
+        self._fail(f"the background compiler (pid {dead.process.pid}) exited with code "
+                   f"{dead.process.returncode}; see {self.log_path}")
+        return False
+
+    def status(self, region: str, digest: str) -> tuple[bool, Outcome | None]:
+        """(finished, outcome) of a job; a dead helper finishes every job with its cause."""
+        self._start_import()
         with self._lock:
             if (region, digest) in self.done:
                 return True, self.done[(region, digest)]
-        if self.process is not None and self.process.poll() is not None and self.failure is None:
-            self._reader.join(timeout=1)
+        if not self._check_alive():
             with self._lock:
                 if (region, digest) in self.done:
                     return True, self.done[(region, digest)]
-            self._fail(f"the background compiler (pid {self.process.pid}) exited with code "
-                       f"{self.process.returncode}; see {self.log_path}")
         if self.failure is not None:
             return True, Outcome(error=self.failure)
         return False, None
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The first helper (the only one with compile_workers=1)."""
+        return self.pool.workers[0].process if self.pool.workers else None
+
+    @property
+    def processes(self) -> list[subprocess.Popen]:
+        return [w.process for w in self.pool.workers]
 
     @property
     def pid(self) -> int | None:
@@ -294,63 +348,26 @@ class BackgroundCompiler:
 
     @property
     def log_path(self) -> Path:
-        return self.log_dir / f"background-compiler-{os.getpid()}.log"
+        return self.pool.log_path
+
+    def timeline(self) -> list[dict[str, Any]]:
+        """Per job, in start order: region, signature, worker, start and end seconds after the first job."""
+        return self.pool.timeline_dicts()
 
     def close(self) -> None:
-        """Stop the helper (it is also stopped when this process ends, however it ends)."""
+        """Stop the helpers (they are also stopped when this process ends, however it ends)."""
         self._restore_threads()
-        process, self.process = self.process, None
-        if process is None:
-            return
-        try:
-            process.stdin.close()
-        except OSError:
-            pass
-        try:
-            process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        self.pool.close()
 
     def start(self) -> None:
-        """Start the helper now (at `prepare`), so that its interpreter and torch's compiler are
-        imported by the time the first signature arrives; a no-op once it runs or failed."""
-        if self.process is not None or self.failure is not None:
+        """Start the helpers now (at `prepare`), so that their interpreters and torch's compiler are
+        imported by the time the first signature arrives; a no-op once they run or failed."""
+        if self.pool.workers or self.failure is not None:
             return
         try:
-            self._start()
+            self.pool.start()
         except OSError as exc:
             self._fail(f"the background compiler could not be started ({type(exc).__name__}: {exc})")
-
-    def _start(self) -> None:
-        if self.process is not None:
-            return
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
-        # The helper imports the block classes the training process imported: same search path.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        env["KILN_BACKGROUND_PARENT"] = str(os.getpid())
-        # One compiler process, not a pool per core: the helper is meant to use the core training left it.
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen([sys.executable, "-m", "kiln.compile.artifacts.background_helper"], env=env,
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
-        self._reader = threading.Thread(target=self._read, name="kiln-background-results", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        stream = self.process.stdout
-        while True:
-            frame = _read_frame(stream)
-            if frame is None:
-                return
-            try:
-                region, digest, error, jit_only = pickle.loads(frame)
-            except Exception as exc:  # a helper of another Kiln version: stop trusting it
-                self.failure = f"the background compiler sent an answer this process cannot read ({exc})"
-                return
-            with self._lock:
-                self.done[(region, digest)] = Outcome(error, jit_only)
 
     def _fail(self, why: str, then: str = "the regions it had not compiled yet are JIT-compiled in the "
                                          "training process at the next step boundary") -> None:
@@ -360,6 +377,31 @@ class BackgroundCompiler:
             self._warned = True
             from kiln.compile.messages import KilnFallbackWarning
             warnings.warn(f"{why}: {then}", KilnFallbackWarning, stacklevel=4)
+
+
+def default_workers(blocking: bool) -> int:
+    """How many helpers: every free core when training waits for them (`blocking`), else the
+    cores training leaves free once it made room (`_make_room`), at least one."""
+    cores = free_cores()
+    if blocking:
+        return cores
+    threads = torch.get_num_threads()
+    training = threads - 1 if threads > 1 and threads >= cores else threads
+    return max(1, cores - training)
+
+
+def signature_text(signature: tuple) -> str:
+    """A short text of a call signature for the timeline: tensor shapes, e.g. "(2x16x64, 2x16)"."""
+    fields = dict(signature)
+    return "(" + ", ".join(_describe(d) for d in fields.get("args", ())) + ")"
+
+
+def _describe(desc: Any) -> str:
+    if desc[0] == "tensor":
+        return "x".join(str(n) for n in desc[1]) or "scalar"
+    if desc[0] in ("tuple", "list"):
+        return "[" + ", ".join(_describe(d) for d in desc[1]) + "]"
+    return str(desc[-1])[:16]
 
 
 def tree_cpu_seconds(root: int) -> float | None:
@@ -405,17 +447,3 @@ def _import_runtime(cpu_inductor: bool = False) -> None:
 
 def _cpu_inductor(job: Job) -> bool:
     return job.compile_kwargs.get("backend", "inductor") == "inductor" and job.device.startswith("cpu")
-
-
-def _write_frame(stream, data: bytes) -> None:
-    stream.write(struct.pack(">Q", len(data)) + data)
-    stream.flush()
-
-
-def _read_frame(stream) -> bytes | None:
-    head = stream.read(8)
-    if len(head) < 8:
-        return None
-    (size,) = struct.unpack(">Q", head)
-    data = stream.read(size)
-    return data if len(data) == size else None

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.background import (Job, _cpu_inductor, _import, _import_runtime, _read_frame, _write_frame,
-                                     example_inputs)
+from kiln.compile.artifacts.background import Job, _cpu_inductor, _import, _import_runtime, example_inputs
+from kiln.compile.artifacts.compile_pool import READY, _read_frame, _write_frame
 from kiln.compile.messages import first_line
 
 def _watch_parent(parent: int) -> None:
@@ -119,31 +119,39 @@ def main() -> None:
     # Below the training process in the scheduler. Training leaves the helper a core where its
     # threads would fill them all (BackgroundCompiler._make_room); where they still cannot (one
     # thread per process, as many processes as cores), the eager steps keep their speed and the
-    # compile (gcc included, which inherits this) takes what is left.
-    try:
-        os.nice(10)
-    except OSError:
-        pass
+    # compile (gcc included, which inherits this) takes what is left. At the training process's
+    # own priority (0) when it waits for the helpers (parallel_compile).
+    nice = int(os.environ.get("KILN_COMPILE_NICE", "10"))
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:
+            pass
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # anything printed goes to the log, not into the result stream
     _import_runtime()  # while the training process builds its first step, before any job comes
+    _write_frame(stdout, pickle.dumps(READY))  # the pool sends jobs to ready workers only
     aot_refused: dict[str, str] = {}
+    worker = os.environ.get("KILN_COMPILE_WORKER", "0")
     while True:
         frame = _read_frame(stdin)
         if frame is None:
             return
         digest, job = pickle.loads(frame)
         error = jit_only = None
-        start = time.perf_counter()
+        began, start = time.time(), time.perf_counter()  # wall clock: the training process's timeline
         try:
             jit_only = compile_job(job, aot_refused)
         except Exception as exc:  # reported to the training process, which warns once
             error = f"{type(exc).__name__}: {first_line(str(exc))}"
+        # Back to one thread between jobs: the pool holds one helper per core (compile_pool.py), and
+        # a job's count (the training process's, which its code is made for) is for that job only.
+        torch.set_num_threads(1)
         done = "compiled" if jit_only is None else f"compiled into the shared caches only ({jit_only})"
-        print(f"[kiln background] {job.region} {digest[:8]}: {error or done} in "
+        print(f"[kiln background {worker}] {job.region} {digest[:8]}: {error or done} in "
               f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
         # Plain values: the training process reads them without importing this module.
-        _write_frame(stdout, pickle.dumps((job.region, digest, error, jit_only)))
+        _write_frame(stdout, pickle.dumps((job.region, digest, error, jit_only, began, time.time())))
 
 
 if __name__ == "__main__":

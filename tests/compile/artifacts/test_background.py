@@ -277,6 +277,18 @@ def test_the_helper_rebuilds_a_block_and_its_inputs_from_a_signature():
     assert call_signature(rebuilt, args, rebuilt_kwargs) == signature
 
 
+def test_the_helper_rebuilds_non_contiguous_inputs_with_their_strides():
+    # A UNet's channels-last activations and an expanded tensor: their strides are in the signature
+    # and in the compiled code's guards, so the helper must rebuild them, not refuse the job.
+    block = torch.nn.Linear(4, 4)
+    channels_last = torch.randn(2, 3, 4, 5).permute(0, 3, 1, 2)
+    expanded = torch.randn(1, 4).expand(3, 4)
+    signature = call_signature(block, (channels_last, expanded), {})
+    args, _ = example_inputs(signature)
+    assert [a.stride() for a in args] == [channels_last.stride(), expanded.stride()]
+    assert call_signature(block, args, {}) == signature
+
+
 def test_background_setting_is_validated():
     with pytest.raises(ValueError, match="precompile=False"):
         TorchDynamoPlugin(fullgraph=True, compile_in_background=True, precompile=False)
