@@ -96,6 +96,11 @@ class MaskingCollator:
             generator = torch.Generator().manual_seed(seed)
             chosen[row] = torch.rand(input_ids.shape[1], generator=generator) < self.mlm_probability
         chosen &= ~special
+        # At least one masked word per row: a short last batch (one process keeps it short, as the
+        # plain loop does) whose rows drew none would have no label at all, a 0/0 = NaN loss.
+        empty = ~chosen.any(dim=1) & (~special).any(dim=1)
+        first_word = (~special).int().argmax(dim=1)
+        chosen[empty, first_word[empty]] = True
         labels = torch.where(chosen, input_ids, torch.full_like(input_ids, -100))
         input_ids = torch.where(chosen, torch.full_like(input_ids, MASK), input_ids)
         return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids), "labels": labels}

@@ -139,7 +139,8 @@ def runs(request, all_runs):
 
 
 def _assert_continues(resumed, full, where):
-    mismatched = {key: (loss, full[key]) for key, loss in resumed.items() if abs(loss - full[key]) > 1e-5}
+    # `not <=`: a NaN on either side is a mismatch (a `>` comparison with NaN is always False).
+    mismatched = {key: (loss, full[key]) for key, loss in resumed.items() if not abs(loss - full[key]) <= 1e-5}
     assert not mismatched, f"{where}: (resumed, uninterrupted) losses differ at {mismatched}"
 
 
