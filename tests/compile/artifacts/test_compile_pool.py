@@ -78,7 +78,9 @@ def test_the_timeline_shows_the_groups_compiling_at_the_same_time(run):
 def test_losses_equal_the_plain_loop(run):
     _, losses, _, _, expected, _ = run
     assert losses[0] == expected[0]  # step 1 ran the blocks eagerly: the plain loop's numbers exactly
-    assert losses == expected  # aot_eager from step 2: the same kernels, the same numbers
+    # aot_eager from step 2: the same kernels; equal on torch 2.13, within float rounding on 2.11
+    # (there the helper only fills the caches and the training process JIT-compiles: 2.4e-7 apart).
+    assert losses == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
 def test_training_waits_after_step_1_and_runs_compiled_from_step_2(run):
