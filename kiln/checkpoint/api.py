@@ -133,17 +133,18 @@ class CheckpointAPI:
         # A folder without Kiln's manifest that Accelerate's save_state wrote is read by its own
         # reader, into the same objects, with the same checks; anything else gets Kiln's reader
         # (whose errors name what is missing).
-        is_accelerate = not (Path(input_dir) / MANIFEST).is_file() and is_accelerate_folder(Path(input_dir))
+        folder = Path(input_dir)
+        is_accelerate = not (folder / MANIFEST).is_file() and is_accelerate_folder(folder)
         load_folder = load_accelerate_folder if is_accelerate else load_training_state
         report = load_folder(
-            Path(input_dir), models=self._models, strategy=self.strategy, optimizers=self._optimizers,
+            folder, models=self._models, strategy=self.strategy, optimizers=self._optimizers,
             schedulers=self._schedulers, dataloaders=self._dataloaders, custom=self._custom_objects,
             scaler=self.scaler, process_index=self.process_index, num_processes=self.num_processes,
             load_hooks=list(self._load_state_pre_hooks.values()), strict=strict)
         if report.saved_processes != report.processes and self.is_main_process:
             warnings.warn(f"resuming on another number of processes: {report}", KilnResumeWarning, stacklevel=2)
         if not is_accelerate:  # before the first step: compilation waits for the first call
-            self.compiler.install_artifacts(Path(input_dir) / COMPILE_ARTIFACTS, self.device, self.wait_for_everyone)
+            self.compiler.install_artifacts(folder / COMPILE_ARTIFACTS, self.device, self.wait_for_everyone)
         self.wait_for_everyone()
         return report
 
