@@ -219,14 +219,16 @@ class CompileSession:
         Collective: every process calls it. The local main process writes the files that are missing
         (other local processes share its folder); then every process loads the cache entries it
         missed at prepare. A bundle of another machine, torch, model or settings, or a damaged one,
-        is one KilnCacheWarning per machine and a cold compile; never an error.
+        is one KilnCacheWarning per machine and a cold compile; never an error. One of this model under
+        another strategy or number of processes installs the precompiled regions that fit, and says so.
         """
         if self.plugin is None:  # the same in every process (one configuration): no process waits alone
             return
         path = Path(path)
         present = self.cache is not None and path.is_file()
         if present and self.is_local_main:
-            result = install_bundle(path, self.cache, self._cache_keys, self._device or device)
+            result = install_bundle(path, self.cache, self._cache_keys, self._device or device,
+                                    self._precompiled_folders())
             if result.message is not None:
                 warnings.warn(result.message, KilnCacheWarning, stacklevel=3)  # the user's load_state()
         barrier()  # whatever this process found: a machine whose cache folder failed must not hang the rest
@@ -240,3 +242,13 @@ class CompileSession:
                 self._loaded_keys.add(key)
                 misses -= 1
             self.cache.stats.misses = misses
+
+    def _precompiled_folders(self) -> list[str]:
+        """This job's precompiled region folders, by their names under the cache folder."""
+        folders = []
+        for model in self.models:
+            for region in compiled_regions(model):
+                folder = region.precompiled.directory if region.precompiled is not None else None
+                if folder is not None and folder.is_relative_to(self.cache.directory):
+                    folders.append(folder.relative_to(self.cache.directory).as_posix())
+        return folders

@@ -106,6 +106,23 @@ def rewrite_header(path: Path, change) -> None:
                                    payload))
 
 
+def rename_members(path: Path, rename) -> None:
+    """Rewrite a bundle with each file's name in it changed by `rename`, keeping its header."""
+    header, payload = read_envelope(path.read_bytes(), bundle.MAGIC, bundle.FORMAT_VERSION, "bundle")
+    folder = path.parent / "renamed"
+    files = {}
+    for i, (name, data) in enumerate(bundle.read_members(payload)):
+        source = folder / str(i)
+        source.parent.mkdir(exist_ok=True)
+        source.write_bytes(data)
+        files[rename(name)] = source
+    packed = bundle.pack_bundle(files, header["keys"], "cpu")
+    _, new_payload = read_envelope(packed, bundle.MAGIC, bundle.FORMAT_VERSION, "bundle")
+    path.write_bytes(pack_envelope(bundle.MAGIC, {k: v for k, v in header.items() if not k.startswith("payload_")},
+                                   new_payload))
+    shutil.rmtree(folder)
+
+
 def assert_losses_continue(result: dict, saved_result: dict) -> None:
     torch.testing.assert_close(result["losses"], saved_result["losses"][SAVED_AT:], rtol=0, atol=1e-6)
 
@@ -150,8 +167,23 @@ def test_artifacts_of_another_torch_give_one_message_and_a_cold_compile(saved, c
     assert_losses_continue(result, saved[1])
 
 
-def test_artifacts_of_other_compile_settings_are_not_installed(saved, checkpoint):
+def test_artifacts_of_another_job_key_install_only_the_precompiled_regions_that_fit(saved, checkpoint, tmp_path):
+    # The same model under another strategy or number of processes: the job key differs, the region
+    # (block source and compile settings) does not, and each artifact checks its call signature.
     rewrite_header(checkpoint / COMPILE_ARTIFACTS, lambda h: h.update(keys=["0" * 64]))
+    result, caught = resumed_here(checkpoint)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "another strategy, number of processes or precision" in str(caught[0].message)
+    assert "installed the 1 precompiled region(s) that fit (LlamaDecoderLayer-" in str(caught[0].message)
+    assert result["loaded"] >= 1 and result["compiled"] == 0, result
+    assert result["artifact_cache"].get("hits", 0) == 0  # Kiln's entry of the other job key stayed out
+    assert_losses_continue(result, saved[1])
+
+
+def test_artifacts_of_another_model_or_settings_are_not_installed(saved, checkpoint):
+    # Neither the job key nor any region folder fits: nothing is written into the caches.
+    rewrite_header(checkpoint / COMPILE_ARTIFACTS, lambda h: h.update(keys=["0" * 64]))
+    rename_members(checkpoint / COMPILE_ARTIFACTS, lambda name: name.replace("LlamaDecoderLayer-", "OtherBlock-"))
     result, caught = resumed_here(checkpoint)
     assert len(caught) == 1 and "another model or other compile settings" in str(caught[0].message)
     assert result["loaded"] == 0 and result["compiled"] >= 1
@@ -313,23 +345,26 @@ def test_with_the_compile_cache_off_nothing_is_carried(tmp_path):
 
 @pytest.mark.multiprocess
 def test_two_processes_resume_from_one_process_checkpoint_on_its_installed_artifacts(tmp_path):
-    # Saved by 1 process (batch 6), resumed by 2 with empty caches and the same batch per process (12
-    # in all: the region's signature is the saved one). The local main process installs, then both load.
+    # Saved by 1 process (batch 6), resumed by 2 with empty caches, the same batch per process (12 in
+    # all) and the same thread count: the regions' signatures are the saved ones. The job key is not
+    # (another strategy), so the precompiled regions are what is installed; the local main process
+    # installs, then both load.
     sys.path.insert(0, str(TESTS / "distributed"))
     from test_strategies import run_worker
 
     saving, resuming = tmp_path / "saving", tmp_path / "resuming"
     saving.mkdir()
     resuming.mkdir()
+    one_thread = dict(os.environ, OMP_NUM_THREADS="1")
     saved_run = run_worker(saving, 1, "--precompile", "--epochs", "2", "--save-at", "1",
-                           env=dict(os.environ, KILN_COMPILE_CACHE_DIR=str(saving / "cache")))
-    assert any("compiled ahead of time and saved" in n for n in saved_run["precompile_notes"]), saved_run
+                           env=dict(one_thread, KILN_COMPILE_CACHE_DIR=str(saving / "cache")))
+    assert saved_run["compiled_ahead"] == [2], saved_run  # the encoder's and the decoder's block
     assert (saving / "ckpt" / COMPILE_ARTIFACTS).is_file()
 
-    resumed = run_worker(resuming, 2, "--precompile", "--epochs", "2", "--global-batch", "12", "--resume-from", str(saving / "ckpt"),
-                         env=dict(os.environ, KILN_COMPILE_CACHE_DIR=str(resuming / "cache")))
+    resumed = run_worker(resuming, 2, "--precompile", "--epochs", "2", "--global-batch", "12", "--resume-from",
+                         str(saving / "ckpt"), env=dict(one_thread, KILN_COMPILE_CACHE_DIR=str(resuming / "cache")))
     assert resumed["load_report"]["saved_processes"] == 1 and resumed["processes"] == 2
     assert all(n > 0 for n in resumed["precompiled_calls"]), resumed
-    assert not any("compiled ahead of time" in n for n in resumed["precompile_notes"]), resumed["precompile_notes"]
+    assert resumed["compiled_ahead"] == [0, 0], resumed["precompile_notes"]  # every process loaded
     assert list((resuming / "cache" / "precompiled").rglob("*.kpc"))
     assert resumed["checksums"][0] == resumed["checksums"][1]

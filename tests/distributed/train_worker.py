@@ -266,6 +266,10 @@ def main() -> None:
         seen.append(acc.gather_for_metrics(values))
     calls = sum(r.calls for r in compiled_regions(acc.unwrap_model(model)))
     precompiled_calls = sum(r.precompiled_calls for r in compiled_regions(acc.unwrap_model(model)))
+    # Signatures this process compiled ahead of time (not loaded): which local process compiles a
+    # signature and which loads it is a race, so a test reads every process's count.
+    compiled_ahead = sum(r.precompiled.stats.compiled for r in compiled_regions(acc.unwrap_model(model))
+                         if r.precompiled is not None)
     notes = [n for r in acc.compile_report().regions for n in r.precompile_notes]
     full = acc.get_state_dict(model)  # consolidated, plain keys, on every process
     checksum = sum(t.double().sum().item() for t in full.values())
@@ -275,12 +279,14 @@ def main() -> None:
         torch.save(full, args.save_weights)
     all_calls = acc.gather(torch.tensor([calls])).tolist()
     all_precompiled = acc.gather(torch.tensor([precompiled_calls])).tolist()
+    all_compiled_ahead = acc.gather(torch.tensor([compiled_ahead])).tolist()
     all_checksums = acc.gather(torch.tensor([checksum], dtype=torch.float64)).tolist()
     all_skipped = [[bool(x) for x in row] for row in acc.gather(torch.tensor([skipped], dtype=torch.int64)).tolist()]
     if acc.is_main_process:
         with open(args.out, "w") as handle:
             json.dump({"losses": losses, "calls": all_calls, "precompiled_calls": all_precompiled,
-                       "precompile_notes": notes, "checksums": all_checksums, "skipped": all_skipped,
+                       "precompile_notes": notes, "compiled_ahead": all_compiled_ahead,
+                       "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
                        "distributed_type": str(acc.distributed_type.value), "keys": sorted(full), "lrs": lrs,
                        "load_report": report}, handle)

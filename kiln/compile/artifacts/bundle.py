@@ -144,19 +144,27 @@ def pack_bundle(files: dict[str, Path], keys: list[str], device: torch.device | 
     return pack_envelope(MAGIC, header, buffer.getvalue())
 
 
-def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str) -> InstallResult:
+def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str,
+                   region_folders: Iterable[str] = ()) -> InstallResult:
     """Install a bundle's files into `cache`'s folders where they are missing, if it was built for this
-    machine and (when `keys` are known) for one of these jobs. Never raises for a bad bundle: a damaged
-    file, another torch or machine or other settings each give `message` and nothing installed."""
+    machine. Never raises for a bad bundle: a damaged file or another torch or machine gives `message`
+    and nothing installed.
+
+    When `keys` are known and none is the bundle's (the same model under another strategy, number of
+    processes or precision, or another model), only the precompiled regions this job can use are
+    installed: those of `region_folders` (their names under the cache folder, such as
+    "precompiled/Block-<region key>"; the region key covers the block's source and compile settings,
+    and each artifact checks its call signature when it loads), with the kernels they load. `message`
+    then says what was left out."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
-    return install_packed(data, str(path), cache, keys, device)
+    return install_packed(data, str(path), cache, keys, device, region_folders)
 
 
 def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
-                   device: torch.device | str) -> InstallResult:
+                   device: torch.device | str, region_folders: Iterable[str] = ()) -> InstallResult:
     """`install_bundle` for a bundle's bytes; `path` names where they came from in messages."""
     try:
         header, payload = read_envelope(data, MAGIC, FORMAT_VERSION,
@@ -173,9 +181,15 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
                           + "; ".join(differences) + "): not installed; the first step compiles cold")
         return result
     if keys and not set(keys) & set(header["keys"]):
-        result.message = (f"compile artifacts {path} were built for another model or other compile settings "
-                          "(their job key differs): not installed; the first step compiles cold")
-        return result
+        members, fitting = fitting_regions(members, region_folders)
+        if not fitting:
+            result.message = (f"compile artifacts {path} were built for another model or other compile settings "
+                              "(their job key differs): not installed; the first step compiles cold")
+            return result
+        result.message = (f"compile artifacts {path} were built for this model under another strategy, number "
+                          f"of processes or precision (their job key differs): installed the {len(fitting)} "
+                          f"precompiled region(s) that fit ({', '.join(fitting)}), left out the rest; what "
+                          "they do not cover compiles cold")
     for name, data in members:
         target = _destination(name, cache)
         if target.exists():
@@ -189,6 +203,20 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
             return result
         result.installed += 1
     return result
+
+
+def fitting_regions(members: list[tuple[str, bytes]], region_folders: Iterable[str]
+                    ) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """The members of a bundle a job with these precompiled `region_folders` can use when its job key
+    is not the bundle's: those regions' files, and the CPU kernels they load (when any region fits);
+    and the names of the regions that fit."""
+    prefixes = {KILN_PREFIX + folder.strip("/") + "/": folder.strip("/") for folder in region_folders}
+    fitting = sorted({prefixes[p] for name, _ in members for p in prefixes if name.startswith(p)})
+    if not fitting:
+        return [], []
+    kept = [(name, data) for name, data in members
+            if name.startswith(INDUCTOR_PREFIX) or name.startswith(tuple(prefixes))]
+    return kept, [Path(folder).name for folder in fitting]
 
 
 def read_members(payload: bytes) -> list[tuple[str, bytes]]:
