@@ -67,7 +67,8 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 SUITE_VARIANTS = {
     "compile": ("",),
     "warm-start": ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
-                   "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine"),
+                   "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine",
+                   "resume-fresh-machine-precompiled"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",

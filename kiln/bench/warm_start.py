@@ -13,6 +13,9 @@ kiln.compile (never the facade). Variants (what lies in the cache folder as the 
     resume-fresh-machine    nothing but the compile artifacts cold's run packed as save_state puts them in a
                             checkpoint (kiln/compile/artifacts/bundle.py), installed as load_state does,
                             before the first step: a resume on a machine with empty caches
+    resume-fresh-machine-precompiled
+                            the same from cold-precompile's run, whose artifacts hold its precompiled
+                            regions: they load with no Dynamo trace
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ from typing import Any
 from kiln.bench.plan import measured
 
 VARIANTS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
-            "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine")
-PRECOMPILE_VARIANTS = ("cold-precompile", "warm-precompiled", "warm-precompiled-copy")
+            "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine", "resume-fresh-machine-precompiled")
+PRECOMPILE_VARIANTS = ("cold-precompile", "warm-precompiled", "warm-precompiled-copy",
+                       "resume-fresh-machine-precompiled")
+RESUME_VARIANTS = ("resume-fresh-machine", "resume-fresh-machine-precompiled")
 TARGET_RATIO = 0.25  # warm / cold, load + first step
 RESUME_TARGET_RATIO = 0.2  # resume-fresh-machine / cold (issue 28)
 BUNDLE = "compile_artifacts.kiln"  # the name save_state gives the file in a checkpoint
@@ -54,7 +59,7 @@ def checkpoint_folder(cache_folder: Path) -> Path:
 def prepare_folder(variant: str, cold: Path, target: Path) -> None:
     """Fill `target` (a Kiln cache folder) with the part of cold's folder this variant keeps."""
     target.mkdir(parents=True)
-    if variant == "resume-fresh-machine":  # empty caches; the checkpoint's file beside them
+    if variant in RESUME_VARIANTS:  # empty caches; the checkpoint's file beside them
         shutil.copytree(checkpoint_folder(cold), checkpoint_folder(target))
         return
     if variant == "warm-precompiled-copy":
@@ -92,7 +97,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     key = cache.key(model, {"backend": row["backend"]}, torch.device(row["device"]))
     installed = None
-    if row["variant"] == "resume-fresh-machine":  # what load_state does before the first step
+    if row["variant"] in RESUME_VARIANTS:  # what load_state does before the first step
         installed = install_bundle(checkpoint_folder(cache.directory) / BUNDLE, cache, [key], row["device"])
         if installed.message is not None:
             return dict(row, error=installed.message)
@@ -126,11 +131,12 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     saved = cache.save(key)
     save_s = time.perf_counter() - start
     bundle_bytes = None
-    if row["variant"] == "cold":  # what save_state would add to a checkpoint, for resume-fresh-machine
-        bundle_bytes = write_bundle(checkpoint_folder(cache.directory) / BUNDLE, job_files(cache, [key], []), [key],
-                                    row["device"])
-    median_s = statistics.median(steady)
     regions = compiled_regions(model)
+    if row["variant"] in ("cold", "cold-precompile"):  # what save_state would add to a checkpoint, to resume from
+        folders = [r.precompiled.directory for r in regions if r.precompiled is not None]
+        bundle_bytes = write_bundle(checkpoint_folder(cache.directory) / BUNDLE, job_files(cache, [key], folders),
+                                    [key], row["device"])
+    median_s = statistics.median(steady)
     result = dict(row)
     result.update(
         hit=hit, saved=saved, load_s=round(load_s, 3), first_step_s=round(first_s, 3),
@@ -201,7 +207,7 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for variant, values in by_variant.items():
         if variant in ("cold", "cold-precompile"):
             continue
-        limit = RESUME_TARGET_RATIO if variant == "resume-fresh-machine" else TARGET_RATIO
+        limit = RESUME_TARGET_RATIO if variant in RESUME_VARIANTS else TARGET_RATIO
         value = statistics.median(values) / cold
         checks.append({"target": f"warm start: {variant} / cold <= {limit}", "value": round(value, 3),
                        "limit": limit, "met": value <= limit})

@@ -196,6 +196,25 @@ def test_warm_start_plan_loads_the_cold_runs_entry_in_a_fresh_process(tmp_path, 
     assert [t["target"] for t in targets] == ["warm start: warm / cold <= 0.25"]
 
 
+def test_resume_from_a_precompiled_checkpoint_loads_every_region_with_no_trace(tmp_path, capsys):
+    # cold-precompile packs what save_state would put in a checkpoint, its precompiled regions with
+    # it; the resume row starts with empty caches and installs it, as load_state does.
+    from torch_features import PRECOMPILE_BACKEND
+
+    status = main(["bench", "--device", "cpu", "--plan", "warm-start", "--models", "tiny", "--backend",
+                   PRECOMPILE_BACKEND, "--variants", "cold,cold-precompile,resume-fresh-machine-precompiled",
+                   "--steps", "1", "--no-plots", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    cold, precompiled, resumed = read_jsonl(tmp_path / "kiln_bench_warm-start.jsonl")
+    assert "error" not in resumed, resumed
+    assert precompiled["bundle_bytes"] > 0 and resumed["installed_files"] > 0
+    assert resumed["precompiled_loaded"] >= 1 and resumed["traces"] == 0 and resumed["compiled_calls"] > 0
+    assert resumed["losses"] == precompiled["losses"] == cold["losses"]
+    targets = json.loads((tmp_path / "kiln_bench_warm-start_targets.json").read_text())
+    assert "warm start: resume-fresh-machine-precompiled / cold <= 0.2" in [t["target"] for t in targets]
+
+
 def test_a_warm_variant_without_its_cold_row_is_an_error_not_a_cold_start():
     (result,) = run_rows([Row(model="tiny", workload="train", batch=2, seq=32, method="regional",
                               suite="warm-start", variant="warm")])
