@@ -229,7 +229,7 @@ def test_a_bundle_naming_a_file_outside_the_caches_installs_nothing(tmp_path):
     assert not (tmp_path / "escaped.txt").exists()
 
 
-def test_cpu_kernels_this_process_loaded_travel_into_the_other_machines_inductor_folder(tmp_path, monkeypatch):
+def test_cpu_kernels_this_process_loaded_and_the_probes_builds_travel_into_the_other_machines_inductor_folder(tmp_path, monkeypatch):
     # Inductor keeps a C++ kernel's files in <cache dir>/<key[1:3]>/ and its key in CppCodeCache's
     # in-memory caches once loaded (torch 2.13); no real kernel is built here (tests never run gcc).
     from torch._inductor.codecache import CppPythonBindingsCodeCache
@@ -241,18 +241,26 @@ def test_cpu_kernels_this_process_loaded_travel_into_the_other_machines_inductor
     (saving.inductor_dir / "k7" / f"{key}.main.cpp").write_text("// kernel")
     (saving.inductor_dir / "k7" / f"{key}.main.so").write_bytes(b"\x7fELF built")
     (saving.inductor_dir / "zz").mkdir()
-    (saving.inductor_dir / "zz" / "another-jobs-kernel.so").write_bytes(b"not ours")
+    (saving.inductor_dir / "zz" / f"c{'z' * 51}.main.cpp").write_text("// another job's kernel")
+    (saving.inductor_dir / "zz" / f"c{'z' * 51}.main.so").write_bytes(b"not ours")
+    # The CPU probe's check library: a tiny source without ".main", and its build.
+    probe = "c24" + "b" * 49
+    (saving.inductor_dir / "24").mkdir()
+    (saving.inductor_dir / "24" / f"{probe}.cpp").write_text("extern \"C\" int __avx512_chk_kernel() { return 0; }")
+    (saving.inductor_dir / "24" / f"{probe}.so").write_bytes(b"\x7fELF probe")
     monkeypatch.setitem(CppPythonBindingsCodeCache.cache, key, lambda: None)
 
     files = bundle.job_files(saving, [], [])
-    assert sorted(files) == [f"inductor/k7/{key}.main.cpp", f"inductor/k7/{key}.main.so"]
+    assert sorted(files) == [f"inductor/24/{probe}.cpp", f"inductor/24/{probe}.so",
+                             f"inductor/k7/{key}.main.cpp", f"inductor/k7/{key}.main.so"]
     bundle.write_bundle(tmp_path / COMPILE_ARTIFACTS, files, ["f" * 64], "cpu")
     fresh = CompileCache(tmp_path / "fresh")
     result = bundle.install_bundle(tmp_path / COMPILE_ARTIFACTS, fresh, ["f" * 64], "cpu")
-    assert (result.installed, result.present, result.message) == (2, 0, None)
+    assert (result.installed, result.present, result.message) == (4, 0, None)
     assert (fresh.inductor_dir / "k7" / f"{key}.main.so").read_bytes() == b"\x7fELF built"
+    assert (fresh.inductor_dir / "24" / f"{probe}.so").read_bytes() == b"\x7fELF probe"
     again = bundle.install_bundle(tmp_path / COMPILE_ARTIFACTS, fresh, ["f" * 64], "cpu")
-    assert (again.installed, again.present) == (0, 2)  # what a machine has already is left as it is
+    assert (again.installed, again.present) == (0, 4)  # what a machine has already is left as it is
 
 
 # ----- Kiln's JIT cache entries travel too --------------------------------------------------------

@@ -9,7 +9,8 @@ What is packed (names inside the bundle, relative to the folder they are install
                                     entries; on a GPU also the Triton kernels, bundled by Inductor)
     kiln/precompiled/<region>/...   the job's precompiled regions (.kpc artifacts, .jit notes)
     inductor/<xx>/...               on a CPU, the C++ kernels this process loaded, built (.so, .o) and
-                                    their sources: without them gcc runs again (DESIGN.md section 3)
+                                    their sources, and the CPU probe's check libraries: without them
+                                    gcc runs again (DESIGN.md section 3)
 Layout of the file: cache.pack_envelope's (magic line, one JSON header line, payload), the payload a
 gzip'd tar of the files above. The header holds the job keys and the machine they were built on.
 """
@@ -35,6 +36,7 @@ INDUCTOR_PREFIX = "inductor/"
 # Files of a region folder that are someone's work in progress or private to a compile, never needed to load.
 SKIPPED_SUFFIXES = (".lock", ".tmp")
 SKIPPED_PARTS = (".aotautograd",)
+PROBE_SOURCE_MAX_BYTES = 4096  # Inductor's CPU probe sources are 150-460 bytes (torch 2.13)
 
 
 @dataclass
@@ -94,6 +96,8 @@ def job_files(cache: CompileCache, keys: Iterable[str], region_folders: Iterable
     for folder in loaded_kernel_folders(inductor):
         for path in files_under(folder):
             files[INDUCTOR_PREFIX + path.relative_to(inductor).as_posix()] = path
+    for path in cpu_probe_builds(inductor):
+        files[INDUCTOR_PREFIX + path.relative_to(inductor).as_posix()] = path
     return files
 
 
@@ -119,6 +123,31 @@ def loaded_kernel_folders(inductor_dir: Path) -> set[Path]:
             if len(str(key)) > 3 and folder.is_dir():
                 folders.add(folder)
     return folders
+
+
+def cpu_probe_builds(inductor_dir: Path) -> list[Path]:
+    """The libraries Inductor's CPU vector-instruction probe built (isa_probe.py), with their sources.
+
+    A fresh process's first CPU compile or load asks which instruction sets this CPU and gcc
+    support; for each it builds a tiny check library, `<key[1:3]>/<key>.cpp` and `.so` (torch 2.13;
+    kernels are `<key>.main.cpp`), unless the library is there. They are not in CppCodeCache's
+    caches, and without them a fresh machine's warm start runs gcc about 8 times (5 s of a 7.5 s
+    resume on this project's CPU). Recognised by that name and a source of a few hundred bytes.
+    """
+    if not inductor_dir.is_dir():
+        return []
+    builds = []
+    for source in inductor_dir.glob("*/c*.cpp"):
+        library = source.with_suffix(".so")
+        if source.name.endswith(".main.cpp") or not library.is_file():
+            continue
+        try:
+            if source.stat().st_size > PROBE_SOURCE_MAX_BYTES:
+                continue
+        except OSError:
+            continue
+        builds.extend((source, library))
+    return sorted(builds)
 
 
 def write_bundle(path: Path, files: dict[str, Path], keys: list[str], device: torch.device | str) -> int:
