@@ -306,7 +306,14 @@ def describe_suite_run(rows: list[dict[str, Any]]) -> str:
     def values(key: str) -> str:
         return "/".join(str(v) for v in dict.fromkeys(r.get(key) for r in done if r.get(key) is not None))
 
-    return (f"Llama-style causal LM `{values('model')}` with random weights, {values('workload')} at batch "
+    from kiln.bench.plan import DIFFUSION_MODELS
+
+    models = list(dict.fromkeys(r.get("model") for r in done if r.get("model") is not None))
+    llamas = [m for m in models if m not in DIFFUSION_MODELS]
+    unets = [m for m in models if m in DIFFUSION_MODELS]
+    kinds = " and ".join(f"{kind} `{'/'.join(names)}`" for kind, names in
+                         (("Llama-style causal LM", llamas), ("diffusers UNet", unets)) if names)
+    return (f"{kinds} with random weights, {values('workload')} at batch "
             f"{values('batch')}, {values('dtype')}, backend {values('backend')}; torch {values('torch')}, "
             f"{values('device')}, {values('threads')} threads.")
 

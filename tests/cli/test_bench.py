@@ -328,3 +328,15 @@ def test_diffusion_rows_train_a_unet_with_every_block_call_compiled(model):
     facts = kiln_facts(unet)
     assert facts["kiln_compiled_calls"] > 0 and facts["kiln_eager_calls"] == 0
     assert any(not torch.equal(a, b) for a, b in zip(before, unet.parameters()))  # AdamW stepped
+
+
+def test_a_suite_report_names_each_kind_of_model_it_measured():
+    from kiln.bench.report import describe_suite_run
+
+    rows = [dict(model="unet2d", workload="train", batch=2, dtype="float32", backend="inductor", torch="2.13.0",
+                 device="cpu", threads=2, variant="full-cold"),
+            dict(model="small6", workload="train", batch=4, dtype="float32", backend="inductor", torch="2.13.0",
+                 device="cpu", threads=2, variant="regional-cold")]
+    text = describe_suite_run(rows)
+    assert text.startswith("Llama-style causal LM `small6` and diffusers UNet `unet2d` with random weights")
+    assert describe_suite_run(rows[1:]).startswith("Llama-style causal LM `small6` with random weights")
