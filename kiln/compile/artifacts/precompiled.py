@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
-import secrets
-import socket
 import sys
 import time
 import warnings
@@ -37,6 +35,7 @@ from kiln.compile import isa_probe
 from kiln.compile.artifacts.aot_workarounds import (ServedFromCache, as_class, autocast_off, autograd_cache_hits,
                                           compile_ahead_of_time, detached, private_autograd_cache, serialized,
                                           with_autocast)
+from kiln.compile.artifacts.artifact_lock import LOCK_SUFFIX, claim, wait_for
 from kiln.compile.artifacts.cache import (CorruptEntryError, KilnCacheWarning, pack_envelope, read_envelope,
                                 write_atomically)
 from kiln.compile.artifacts.cache_key import triton_version
@@ -47,10 +46,7 @@ from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, 
 
 MAGIC = b"KILN-PRECOMPILED\n"
 SUFFIX = ".kpc"
-LOCK_SUFFIX = ".lock"
 JIT_ONLY_SUFFIX = ".jit"  # beside where an artifact would be: why this signature is JIT-compiled
-POLL_SECONDS = 0.05
-FOREIGN_LOCK_SECONDS = 600.0  # a lock held on another machine (shared folder) is trusted this long
 CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 _GUARD_FAILURE = "GuardManager check failed"
 
@@ -465,35 +461,20 @@ class PrecompiledRegion:
                         "(its source, the compile settings or torch changed)")
         return signature_difference(signature_fields(signature), saved)
 
-    # ----- one compiler per signature among local processes ---------------------------------
+    # ----- one compiler per signature among local processes (artifact_lock.py) -------------
     def _claim(self, path: Path) -> Path | None:
         """Create the signature's lock file; None when another live process holds it."""
-        lock = path.with_suffix(LOCK_SUFFIX)
-        self.directory.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            if _lock_is_stale(lock):
-                lock.unlink(missing_ok=True)
-                return self._claim(path)
-            return None
-        with os.fdopen(fd, "w") as handle:
-            handle.write(f"{socket.gethostname()} {os.getpid()} {time.time()} {secrets.token_hex(4)}\n")
-        return lock
+        return claim(path)
 
     def _wait_for(self, path: Path) -> bool:
         """Wait while another process holds the lock; True when the artifact appeared."""
-        lock = path.with_suffix(LOCK_SUFFIX)
-        start = time.perf_counter()
-        told = start
-        while lock.exists() and not path.exists() and not _lock_is_stale(lock):
-            time.sleep(POLL_SECONDS)
-            if time.perf_counter() - told > 30:
-                told = time.perf_counter()
-                print(f"[kiln] waiting {told - start:.0f} s for another process to precompile region "
-                      f"{self.name} ({lock})", file=sys.stderr, flush=True)
-        self.stats.wait_seconds += time.perf_counter() - start
-        return path.exists()
+        def tell(seconds: float, lock: Path) -> None:
+            print(f"[kiln] waiting {seconds:.0f} s for another process to precompile region {self.name} ({lock})",
+                  file=sys.stderr, flush=True)
+
+        appeared, seconds = wait_for(path, tell)
+        self.stats.wait_seconds += seconds
+        return appeared
 
     # ----- notes -------------------------------------------------------------------------------
     def _signature_text(self, signature: tuple) -> str:
@@ -502,23 +483,6 @@ class PrecompiledRegion:
     def _note(self, text: str) -> None:
         if text not in self.stats.notes:
             self.stats.notes.append(text)
-
-
-def _lock_is_stale(lock: Path) -> bool:
-    """A lock whose process is gone (same machine), or an old one from another machine."""
-    try:
-        host, pid, created = lock.read_text().split()[:3]
-    except (OSError, ValueError):
-        return False  # being written, or just removed
-    if host != socket.gethostname():
-        return time.time() - float(created) > FOREIGN_LOCK_SECONDS
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
 
 
 def _safe(name: str) -> str:
