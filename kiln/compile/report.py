@@ -71,6 +71,8 @@ class CompileReport:
     # seconds after its first job, outcome (kiln/compile/artifacts/compile_pool.py).
     timeline: list[dict] = field(default_factory=list)
     compile_wait_seconds: float | None = None  # how long training waited for the helpers (parallel_compile)
+    # Why this job's graphs were not compiled side by side, when they were not (kiln/compile/session.py).
+    side_by_side: str | None = None
 
     @property
     def graphs(self) -> int:
@@ -94,6 +96,7 @@ class CompileReport:
             "settings": list(self.settings),
             "timeline": [dict(job) for job in self.timeline],
             "compile_wait_seconds": self.compile_wait_seconds,
+            "side_by_side": self.side_by_side,
             "regions": [{**asdict(r), "ran": r.ran} for r in self.regions],
         }
 
@@ -148,6 +151,8 @@ class CompileReport:
             for job in self.timeline:
                 lines.append(f"  worker {job['worker']}: {job['start']:6.1f} -> {job['end']:6.1f} s  "
                              f"{job['region']} {job['signature']}  {job['outcome']}")
+        if self.side_by_side:
+            lines.append(f"side by side: {self.side_by_side}")
         if self.artifact_cache:
             lines.append("warm-start cache: " + ", ".join(f"{k} {v}" for k, v in self.artifact_cache.items()))
         return "\n".join(lines)
@@ -155,7 +160,7 @@ class CompileReport:
 
 def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = None,
                    settings: list[str] | None = None, timeline: list[dict] | None = None,
-                   compile_wait_seconds: float | None = None) -> CompileReport:
+                   compile_wait_seconds: float | None = None, side_by_side: str | None = None) -> CompileReport:
     """The report for every region Kiln compiled in `models`; `settings`: notes on compile
     settings decided for the user (an implied fullgraph); `timeline`: the background compiler's jobs."""
     MONITOR.collect()
@@ -185,7 +190,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),
-                         compile_wait_seconds)
+                         compile_wait_seconds, side_by_side)
 
 
 def _ahead_seconds(region) -> float:

@@ -145,8 +145,11 @@ class CompileSession:
         notes = self.plugin.notes if self.plugin is not None else None
         timeline = self.background.timeline() if self.background is not None else None
         wait = self.background.wait_seconds if self.background is not None else None
-        return compile_report(*self.models, artifact_cache=stats, settings=notes, timeline=timeline,
-                              compile_wait_seconds=wait)
+        report = compile_report(*self.models, artifact_cache=stats, settings=notes, timeline=timeline,
+                                compile_wait_seconds=wait)
+        if self.plugin is not None:
+            report.side_by_side = side_by_side_note(self.plugin, report)
+        return report
 
     def after_optimizer_step(self) -> None:
         """At the end of warm-up: recompiles meet the policy, silent regions are called out, and
@@ -252,3 +255,24 @@ class CompileSession:
                 if folder is not None and folder.is_relative_to(self.cache.directory):
                     folders.append(folder.relative_to(self.cache.directory).as_posix())
         return folders
+
+
+def side_by_side_note(plugin, report: CompileReport) -> str | None:
+    """Why the graphs this job compiled were not compiled side by side, for the report; None when
+    they were (the timeline shows it) or when nothing was compiled in this process."""
+    if plugin.compile_in_background:
+        groups = {job["region"] for job in report.timeline}
+        if len(groups) == 1:
+            return (f"no: one region group ({next(iter(groups))}); each signature is one helper job, its "
+                    "forward and backward compiled together, so there is nothing to run at once")
+        return None
+    compiled = [r.name for r in report.regions if r.graphs or r.precompiled_saved]
+    if not compiled:
+        return None  # loaded, or not called yet: nothing compiled here
+    if len(compiled) == 1:
+        return (f"no: one compiled region ({compiled[0]}); its forward and backward compile one after the "
+                "other, so there is nothing to run at once")
+    how = ("precompile=True compiles each signature ahead of time at its first call" if plugin.precompile
+           else "the JIT path (the default) compiles each graph at its first call")
+    return (f"no: {len(compiled)} region groups compiled one after another in this process ({how}); "
+            "parallel_compile=True compiles them at once on the free cores (it needs fullgraph=True)")

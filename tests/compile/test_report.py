@@ -171,3 +171,48 @@ def test_end_training_prints_the_report(capsys):
 def test_unknown_recompile_policy_is_an_error():
     with pytest.raises(ValueError, match="unknown recompile policy 'loud'"):
         _plugin(recompile="loud")
+
+
+# ----- side by side: why this job's graphs were compiled one after another ------------------------
+
+def _side_by_side_after_a_step(model, **plugin):
+    acc = Accelerator(dynamo_plugin=_plugin(**plugin))
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _train_step(model, optimizer, acc, 4)
+    report = acc.compile_report()
+    return report, report.table()
+
+
+def test_report_says_two_region_groups_were_compiled_one_after_another_and_what_would_run_them_at_once():
+    report, table = _side_by_side_after_a_step(EncoderDecoder())
+    assert {r.name for r in report.regions} == {"EncoderBlock", "DecoderBlock"}
+    assert report.side_by_side.startswith("no: 2 region groups compiled one after another in this process "
+                                          "(the JIT path (the default)")
+    assert "parallel_compile=True compiles them at once" in report.side_by_side
+    assert f"side by side: {report.side_by_side}" in table
+    assert report.as_dict()["side_by_side"] == report.side_by_side
+
+
+def test_report_says_one_region_group_leaves_nothing_to_compile_side_by_side():
+    report, _ = _side_by_side_after_a_step(nn.Sequential(nn.Linear(8, 8), *(EncoderBlock(8) for _ in range(3))))
+    assert report.side_by_side.startswith("no: one compiled region (EncoderBlock)")
+
+
+def test_report_says_nothing_of_side_by_side_before_anything_compiled():
+    acc = Accelerator(dynamo_plugin=_plugin())
+    acc.prepare(EncoderDecoder())
+    report = acc.compile_report()
+    assert report.side_by_side is None and "side by side" not in report.table()
+
+
+def test_report_says_a_pool_had_nothing_to_run_at_once_for_a_single_region_group():
+    from kiln.compile.report import CompileReport
+    from kiln.compile.session import side_by_side_note
+
+    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True, parallel_compile=True)
+    job = dict(region="LlamaDecoderLayer", signature="(4x64x128)", digest="8e68", worker=0, start=0.0, end=9.0,
+               outcome="compiled")
+    note = side_by_side_note(plugin, CompileReport(regions=[], timeline=[job]))
+    assert note.startswith("no: one region group (LlamaDecoderLayer)")
+    two = [job, dict(job, region="EncoderBlock", worker=1)]
+    assert side_by_side_note(plugin, CompileReport(regions=[], timeline=two)) is None

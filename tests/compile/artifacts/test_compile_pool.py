@@ -101,6 +101,7 @@ def test_the_report_shows_the_timeline(run):
     table = report.table()
     assert "compile timeline: 2 job(s) on 2 helper process(es)" in table
     assert "training waited" in table
+    assert report.side_by_side is None and "side by side:" not in table  # two groups ran at once: nothing to explain
     as_dict = report.as_dict()
     assert [job["region"] for job in as_dict["timeline"]] == [job["region"] for job in report.timeline]
     assert set(as_dict["timeline"][0]) == {"region", "signature", "digest", "worker", "start", "end", "outcome"}
