@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.bundle import install_bundle, job_files, write_bundle
+from kiln.compile.artifacts.bundle import bundle_keys, install_bundle, job_files, write_bundle
 from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
 from kiln.compile.artifacts.sharing import share_across_machines
 from kiln.compile.monitor import KilnFallbackWarning
@@ -221,17 +221,18 @@ class CompileSession:
 
         Collective: every process calls it. The local main process writes the files that are missing
         (other local processes share its folder); then every process loads the cache entries it
-        missed at prepare. A bundle of another machine, torch, model or settings, or a damaged one,
-        is one KilnCacheWarning per machine and a cold compile; never an error. One of this model under
-        another strategy or number of processes installs the precompiled regions that fit, and says so.
+        missed at prepare. A bundle of another machine or torch, or a damaged one, is one
+        KilnCacheWarning per machine and a cold compile; never an error. One of another job key (this
+        model under other settings, strategy, number of processes or precision) is installed and its
+        entries loaded too, so that torch's caches reuse what the two jobs compile alike; one
+        warning says so.
         """
         if self.plugin is None:  # the same in every process (one configuration): no process waits alone
             return
         path = Path(path)
         present = self.cache is not None and path.is_file()
         if present and self.is_local_main:
-            result = install_bundle(path, self.cache, self._cache_keys, self._device or device,
-                                    self._precompiled_folders())
+            result = install_bundle(path, self.cache, self._cache_keys, self._device or device)
             if result.message is not None:
                 warnings.warn(result.message, KilnCacheWarning, stacklevel=3)  # the user's load_state()
         barrier()  # whatever this process found: a machine whose cache folder failed must not hang the rest
@@ -245,17 +246,11 @@ class CompileSession:
                 self._loaded_keys.add(key)
                 misses -= 1
             self.cache.stats.misses = misses
-
-    def _precompiled_folders(self) -> list[str]:
-        """This job's precompiled region folders, by their names under the cache folder."""
-        folders = []
-        for model in self.models:
-            for region in compiled_regions(model):
-                folder = region.precompiled.directory if region.precompiled is not None else None
-                if folder is not None and folder.is_relative_to(self.cache.directory):
-                    folders.append(folder.relative_to(self.cache.directory).as_posix())
-        return folders
-
+        # Another job key's entries, where the local main process installed them.
+        for key in bundle_keys(path):
+            if key not in self._cache_keys and key not in self._loaded_keys and self.cache.entry_path(key).is_file():
+                if self.cache.load(key):
+                    self._loaded_keys.add(key)
 
 def side_by_side_note(plugin, report: CompileReport) -> str | None:
     """Why the graphs this job compiled were not compiled side by side, for the report; None when

@@ -18,9 +18,11 @@ gzip'd tar of the files above. The header holds the job keys and the machine the
 from __future__ import annotations
 
 import io
+import json
 import platform
+import re
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -47,6 +49,7 @@ class InstallResult:
     installed: int = 0
     present: int = 0
     message: str | None = None
+    foreign_keys: list[str] = field(default_factory=list)  # the bundle's job keys that are not this job's
 
 
 def machine_key(device: torch.device | str) -> dict[str, str]:
@@ -173,27 +176,27 @@ def pack_bundle(files: dict[str, Path], keys: list[str], device: torch.device | 
     return pack_envelope(MAGIC, header, buffer.getvalue())
 
 
-def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str,
-                   region_folders: Iterable[str] = ()) -> InstallResult:
+def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str) -> InstallResult:
     """Install a bundle's files into `cache`'s folders where they are missing, if it was built for this
     machine. Never raises for a bad bundle: a damaged file or another torch or machine gives `message`
     and nothing installed.
 
-    When `keys` are known and none is the bundle's (the same model under another strategy, number of
-    processes or precision, or another model), only the precompiled regions this job can use are
-    installed: those of `region_folders` (their names under the cache folder, such as
-    "precompiled/Block-<region key>"; the region key covers the block's source and compile settings,
-    and each artifact checks its call signature when it loads), with the kernels they load. `message`
-    then says what was left out."""
+    A bundle of another job key (when `keys` are known and none is the bundle's) is installed too:
+    `load_state` checks the model's names and shapes before this, so it is this model compiled under
+    other settings, another strategy, number of processes or precision. Each file is found only by
+    its own key (torch's caches key graphs by their content and settings, a precompiled region by its
+    block source and settings, an artifact checks its call signature), so what the two jobs share is
+    reused and the rest compiles. `foreign_keys` names the bundle's keys, whose Kiln entries the
+    caller loads; `message` says so."""
     try:
         data = path.read_bytes()
     except OSError as exc:
         return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
-    return install_packed(data, str(path), cache, keys, device, region_folders)
+    return install_packed(data, str(path), cache, keys, device)
 
 
 def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
-                   device: torch.device | str, region_folders: Iterable[str] = ()) -> InstallResult:
+                   device: torch.device | str) -> InstallResult:
     """`install_bundle` for a bundle's bytes; `path` names where they came from in messages."""
     try:
         header, payload = read_envelope(data, MAGIC, FORMAT_VERSION,
@@ -210,15 +213,10 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
                           + "; ".join(differences) + "): not installed; the first step compiles cold")
         return result
     if keys and not set(keys) & set(header["keys"]):
-        members, fitting = fitting_regions(members, region_folders)
-        if not fitting:
-            result.message = (f"compile artifacts {path} were built for another model or other compile settings "
-                              "(their job key differs): not installed; the first step compiles cold")
-            return result
-        result.message = (f"compile artifacts {path} were built for this model under another strategy, number "
-                          f"of processes or precision (their job key differs): installed the {len(fitting)} "
-                          f"precompiled region(s) that fit ({', '.join(fitting)}), left out the rest; what "
-                          "they do not cover compiles cold")
+        result.foreign_keys = sorted(header["keys"])
+        result.message = (f"compile artifacts {path} were built under another job key (this model under other "
+                          "compile settings, another strategy, number of processes or precision): installed, so "
+                          "what the two jobs compile alike is reused; the rest compiles cold")
     for name, data in members:
         target = _destination(name, cache)
         if target.exists():
@@ -234,18 +232,20 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
     return result
 
 
-def fitting_regions(members: list[tuple[str, bytes]], region_folders: Iterable[str]
-                    ) -> tuple[list[tuple[str, bytes]], list[str]]:
-    """The members of a bundle a job with these precompiled `region_folders` can use when its job key
-    is not the bundle's: those regions' files, and the CPU kernels they load (when any region fits);
-    and the names of the regions that fit."""
-    prefixes = {KILN_PREFIX + folder.strip("/") + "/": folder.strip("/") for folder in region_folders}
-    fitting = sorted({prefixes[p] for name, _ in members for p in prefixes if name.startswith(p)})
-    if not fitting:
-        return [], []
-    kept = [(name, data) for name, data in members
-            if name.startswith(INDUCTOR_PREFIX) or name.startswith(tuple(prefixes))]
-    return kept, [Path(folder).name for folder in fitting]
+def bundle_keys(path: Path) -> list[str]:
+    """The job keys a bundle's header names (its first two lines: magic, JSON header); [] when the
+    file cannot be read as a bundle. Cheap: the payload is not read or checked."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.readline() != MAGIC:
+                return []
+            header = json.loads(handle.readline())
+    except (OSError, ValueError):
+        return []
+    keys = header.get("keys") if isinstance(header, dict) else None
+    if not isinstance(keys, list):
+        return []
+    return [key for key in keys if isinstance(key, str) and re.fullmatch(r"[0-9a-f]{16,128}", key)]
 
 
 def read_members(payload: bytes) -> list[tuple[str, bytes]]:
