@@ -248,9 +248,11 @@ class CompileSession:
             self.cache.stats.misses = misses
         # Another job key's entries, where the local main process installed them.
         for key in bundle_keys(path):
-            if key not in self._cache_keys and key not in self._loaded_keys and self.cache.entry_path(key).is_file():
-                if self.cache.load(key):
-                    self._loaded_keys.add(key)
+            if key in self._cache_keys or key in self._loaded_keys or not self.cache.entry_path(key).is_file():
+                continue
+            if self.cache.load(key):
+                self._loaded_keys.add(key)
+
 
 def side_by_side_note(plugin, report: CompileReport) -> str | None:
     """Why the graphs this job compiled were not compiled side by side, for the report; None when

@@ -22,7 +22,7 @@ import json
 import platform
 import re
 import tarfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -49,7 +49,6 @@ class InstallResult:
     installed: int = 0
     present: int = 0
     message: str | None = None
-    foreign_keys: list[str] = field(default_factory=list)  # the bundle's job keys that are not this job's
 
 
 def machine_key(device: torch.device | str) -> dict[str, str]:
@@ -186,8 +185,8 @@ def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: tor
     other settings, another strategy, number of processes or precision. Each file is found only by
     its own key (torch's caches key graphs by their content and settings, a precompiled region by its
     block source and settings, an artifact checks its call signature), so what the two jobs share is
-    reused and the rest compiles. `foreign_keys` names the bundle's keys, whose Kiln entries the
-    caller loads; `message` says so."""
+    reused and the rest compiles; the caller loads the bundle's Kiln entries (`bundle_keys`), and
+    `message` says so."""
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -213,7 +212,6 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
                           + "; ".join(differences) + "): not installed; the first step compiles cold")
         return result
     if keys and not set(keys) & set(header["keys"]):
-        result.foreign_keys = sorted(header["keys"])
         result.message = (f"compile artifacts {path} were built under another job key (this model under other "
                           "compile settings, another strategy, number of processes or precision): installed, so "
                           "what the two jobs compile alike is reused; the rest compiles cold")
