@@ -25,7 +25,7 @@ import resource
 import shlex
 import socket
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from kiln.bench.child import RESULT_PREFIX
 from kiln.bench.plan import measured
@@ -94,9 +94,7 @@ def combine(stdout: str, row: dict[str, Any]) -> dict[str, Any] | None:
 
 def compile_cpu_s(rows: list[dict[str, Any]]) -> dict[int, float]:
     """id(row) -> its CPU-seconds minus the eager row's at the same model and process count (in all)."""
-    eager = {(r["model"], r["processes"]): r["cpu_s"] for r in measured(rows) if r["variant"] == "eager"}
-    return {id(r): r["cpu_s"] - eager[(r["model"], r["processes"] * machines(r))] for r in measured(rows)
-            if r["variant"] != "eager" and (r["model"], r["processes"] * machines(r)) in eager}
+    return _minus_eager(rows, lambda r: r["cpu_s"])
 
 
 def ranks_compile_cpu_s(rows: list[dict[str, Any]]) -> dict[int, float]:
@@ -107,12 +105,18 @@ def ranks_compile_cpu_s(rows: list[dict[str, Any]]) -> dict[int, float]:
         values = r.get("ranks_cpu_two_s") or []
         return sum(values) if values and None not in values else None
 
-    eager = {(r["model"], r["processes"]): total(r) for r in measured(rows) if r["variant"] == "eager"}
+    return _minus_eager(rows, total)
+
+
+def _minus_eager(rows: list[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]) -> dict[int, float]:
+    """id(row) -> `value(row)` minus the eager row's at the same model and process count (all machines'),
+    for the measured rows where both are known."""
+    eager = {(r["model"], r["processes"]): value(r) for r in measured(rows) if r["variant"] == "eager"}
     out = {}
     for r in measured(rows):
-        base = eager.get((r["model"], r["processes"] * machines(r)))
-        if r["variant"] != "eager" and base is not None and total(r) is not None:
-            out[id(r)] = total(r) - base
+        base, mine = eager.get((r["model"], r["processes"] * machines(r))), value(r)
+        if r["variant"] != "eager" and base is not None and mine is not None:
+            out[id(r)] = mine - base
     return out
 
 

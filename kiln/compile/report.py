@@ -160,7 +160,7 @@ class CompileReport:
 
 def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = None,
                    settings: list[str] | None = None, timeline: list[dict] | None = None,
-                   compile_wait_seconds: float | None = None, side_by_side: str | None = None) -> CompileReport:
+                   compile_wait_seconds: float | None = None) -> CompileReport:
     """The report for every region Kiln compiled in `models`; `settings`: notes on compile
     settings decided for the user (an implied fullgraph); `timeline`: the background compiler's jobs."""
     MONITOR.collect()
@@ -190,7 +190,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),
-                         compile_wait_seconds, side_by_side)
+                         compile_wait_seconds)
 
 
 def _ahead_seconds(region) -> float:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.compile_pool import CompilePool, _read_frame, _write_frame, free_cores  # noqa: F401
+from kiln.compile.artifacts.compile_pool import CompilePool, free_cores
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",

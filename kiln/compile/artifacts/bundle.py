@@ -64,6 +64,12 @@ def machine_key(device: torch.device | str) -> dict[str, str]:
     return key
 
 
+def machine_differences(there: dict[str, str], here: dict[str, str]) -> list[str]:
+    """What differs between two machine keys (`machine_key`), one "name 'a' there, 'b' here" each."""
+    return [f"{name} {there.get(name)!r} there, {value!r} here" for name, value in here.items()
+            if there.get(name) != value]
+
+
 def cpu_vector_isa() -> str:
     """The widest vector instruction set the CPU reports (what Inductor's C++ kernels are built for),
     read from /proc/cpuinfo without running Inductor's probe (which builds code, isa_probe.py)."""
@@ -92,15 +98,17 @@ def job_files(cache: CompileCache, keys: Iterable[str], region_folders: Iterable
     for folder in region_folders:
         if not Path(folder).is_relative_to(cache.directory):
             continue  # a folder the caller chose outside Kiln's: not this cache's to carry
-        for path in files_under(Path(folder)):
-            files[KILN_PREFIX + path.relative_to(cache.directory).as_posix()] = path
+        files.update(named_files(files_under(Path(folder)), cache.directory, KILN_PREFIX))
     inductor = cache.inductor_dir_in_use
     for folder in loaded_kernel_folders(inductor):
-        for path in files_under(folder):
-            files[INDUCTOR_PREFIX + path.relative_to(inductor).as_posix()] = path
-    for path in cpu_probe_builds(inductor):
-        files[INDUCTOR_PREFIX + path.relative_to(inductor).as_posix()] = path
+        files.update(named_files(files_under(folder), inductor, INDUCTOR_PREFIX))
+    files.update(named_files(cpu_probe_builds(inductor), inductor, INDUCTOR_PREFIX))
     return files
+
+
+def named_files(paths: Iterable[Path], root: Path, prefix: str) -> dict[str, Path]:
+    """`paths` (under `root`) by their names in a bundle: `prefix` and the path relative to `root`."""
+    return {prefix + path.relative_to(root).as_posix(): path for path in paths}
 
 
 def loaded_kernel_folders(inductor_dir: Path) -> set[Path]:
@@ -205,8 +213,7 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
         return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
     result = InstallResult()
     here = machine_key(device)
-    differences = [f"{name} {header['machine'].get(name)!r} there, {value!r} here"
-                   for name, value in here.items() if header["machine"].get(name) != value]
+    differences = machine_differences(header["machine"], here)
     if differences:
         result.message = (f"compile artifacts {path} were built on another machine or torch ("
                           + "; ".join(differences) + "): not installed; the first step compiles cold")

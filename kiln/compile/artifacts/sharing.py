@@ -178,8 +178,7 @@ class CompileSharing:
         others = [node for node in sorted(keys) if keys[node] != keys[self.node]]
         if others and self.local_rank == 0:
             there = json.loads(keys[others[0]])
-            differences = "; ".join(f"{name} {there.get(name)!r} there, {value!r} here"
-                                    for name, value in mine.items() if there.get(name) != value)
+            differences = "; ".join(bundle.machine_differences(there, mine))
             warnings.warn(f"machine {self.node}'s compiled code cannot run on machine {others[0]}"
                           + (f" and {len(others) - 1} other(s)" if len(others) > 1 else "")
                           + f" ({differences}): each compiles its own precompiled regions", KilnCacheWarning,
@@ -192,11 +191,10 @@ class CompileSharing:
         """The artifact and the CPU kernels its load or compile brought in, packed; None without one."""
         if path is None or not path.is_file() or not path.is_relative_to(self.cache.directory):
             return None
-        files = {bundle.KILN_PREFIX + path.relative_to(self.cache.directory).as_posix(): path}
+        files = bundle.named_files([path], self.cache.directory, bundle.KILN_PREFIX)
         inductor = self.cache.inductor_dir_in_use
         for folder in self._kernel_folders() - kernels_before:
-            for file in bundle.files_under(folder):
-                files[bundle.INDUCTOR_PREFIX + file.relative_to(inductor).as_posix()] = file
+            files.update(bundle.named_files(bundle.files_under(folder), inductor, bundle.INDUCTOR_PREFIX))
         return pack_bundle(files, [], device)
 
     def _collective(self, region: str, digest: str, step: Callable[[Any], Any]) -> Any:
