@@ -208,6 +208,7 @@ class TorchDynamoPlugin:
             raise ValueError(f"compile_workers={self.compile_workers} sizes the background compiler's helper "
                              "processes; set compile_in_background=True or parallel_compile=True to use them, "
                              "or leave compile_workers unset")
+        self._precompile_asked = self.precompile is True  # by the user, not implied below
         if self.compile_in_background:
             if self.precompile is False:
                 raise ValueError("compile_in_background=True loads what the helper precompiled; it cannot "
@@ -230,9 +231,11 @@ class TorchDynamoPlugin:
             )
 
     def _decide_fullgraph(self) -> None:
-        """Precompiled regions and training while compiling take whole graphs only: left unset,
-        fullgraph becomes True with them (a note for the compile report), else False; set to
-        False by the user beside either, it is an error naming both settings."""
+        """Precompiled regions take whole graphs only: left unset, fullgraph becomes True with them
+        or with training while compiling (a note for the compile report), else False. Set to False
+        by the user beside precompile=True, it is an error naming both settings; beside training
+        while compiling (or parallel_compile), the helpers fill the compile caches instead of
+        compiling ahead of time, and training JIT-compiles each region warm (a note)."""
         wanted = ("compile_in_background=True" if self.compile_in_background
                   else "precompile=True" if self.precompile else None)
         if self.fullgraph is None:
@@ -240,6 +243,14 @@ class TorchDynamoPlugin:
             if wanted is not None:
                 self.notes.append(f"fullgraph=True, implied by {wanted} (left unset)")
             return
+        if self.compile_in_background and not self._precompile_asked and not self.fullgraph:
+            flag = "parallel_compile=True" if self.parallel_compile else "compile_in_background=True"
+            self.notes.append(f"fullgraph=False with {flag}: the helpers JIT-compile each region into the "
+                              "compile caches (an ahead-of-time compile takes whole graphs only), and "
+                              "training compiles it from them, warm, once they are done")
+            return
+        if self.compile_in_background and self._precompile_asked:
+            wanted = "precompile=True"
         if wanted is not None and not self.fullgraph:
             where = ("fullgraph=False" if self._fullgraph_from == "argument"
                      else f"{ENV_PREFIX}USE_FULLGRAPH=false in the environment")

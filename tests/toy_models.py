@@ -45,6 +45,23 @@ class EncoderDecoder(nn.Module):
         return self.head(h)
 
 
+class BreakingEncoderBlock(EncoderBlock):
+    """An encoder block whose forward has a graph break (as a print or a `.item()` makes one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        torch._dynamo.graph_break()
+        return x + self.mlp(h)
+
+
+class BreakingEncoderDecoder(EncoderDecoder):
+    """EncoderDecoder whose encoder blocks break the graph: it compiles only under fullgraph=False."""
+
+    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4) -> None:
+        super().__init__(width, depth, classes)
+        self.encoder = nn.Sequential(*(BreakingEncoderBlock(width) for _ in range(depth)))
+
+
 class Regressor(nn.Module):
     """Takes a batch dict and returns a dict with a loss, like a transformers model."""
 

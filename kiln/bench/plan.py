@@ -72,12 +72,14 @@ SUITE_VARIANTS = {
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
-                "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold"),
+                "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
+                "parallel-default-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
 }
 
 
-SIDE_BY_SIDE = ("full-cold", "parallel-cold")  # the side-by-side plan's own start-up variants
+# The side-by-side plan's own start-up variants.
+SIDE_BY_SIDE = ("full-cold", "parallel-cold", "default-cold", "parallel-default-cold")
 
 
 @dataclass(frozen=True)
@@ -186,14 +188,18 @@ PLANS: dict[str, list[Group]] = {
               variants=[v for v in SUITE_VARIANTS["startup"] if v.startswith("busy-")], steps=500),
     ],
     # Compiling side by side (issue 28): cold starts of the UNet2DModel whole, regional (serial JIT)
-    # and parallel_compile (a pool of helpers), and of a 6-layer Llama beside Accelerate's regional
-    # compile; the first 20 steps each, compared at the end of step 2. `--backend aot_eager` checks
+    # and parallel_compile (a pool of helpers), each with fullgraph=True (the helpers precompile)
+    # and as most users leave it (fullgraph unset: the helpers fill the compile caches), and of a
+    # 6-layer Llama beside Accelerate's regional compile; the first 20 steps each, compared at the
+    # end of step 2. `--backend aot_eager` checks
     # the logic in a minute; the targets are Inductor's (about 10 minutes on 2 cores).
     "side-by-side": [
         Group(["unet2d"], ["train"], [2], ["regional"], suite="startup", seq={"infer": 32, "train": 32},
-              variants=["full-cold", "regional-cold", "parallel-cold"], steps=20),
+              variants=["full-cold", "regional-cold", "parallel-cold", "default-cold", "parallel-default-cold"],
+              steps=20),
         Group(["small6"], ["train"], [4], ["regional"], suite="startup",
-              variants=["accelerate-regional", "regional-cold", "parallel-cold"], steps=20),
+              variants=["accelerate-regional", "regional-cold", "parallel-cold", "default-cold",
+                        "parallel-default-cold"], steps=20),
     ],
     # Cold starts of 1 and 2 local processes (torch.distributed.run): does each region compile once
     # per machine? The start-up job's first 20 steps, eager, JIT (every process compiles) and

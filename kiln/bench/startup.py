@@ -14,6 +14,9 @@ Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache fold
     full-cold               Kiln's whole-model compile, JIT, an empty folder (the regional rows' yardstick)
     parallel-cold           parallel_compile=True, an empty folder: step 1 eager while a pool of helpers
                             compiles the region groups side by side, a wait, compiled from step 2
+    default-cold            regional-cold as most users leave it: fullgraph and dynamic unset (JIT)
+    parallel-default-cold   default-cold with parallel_compile=True: under fullgraph=False the helpers
+                            fill the compile caches side by side, and training compiles warm at step 2
     accelerate-regional     Accelerate's own regional compile, an empty Inductor folder
     busy-<variant>          <variant> (eager, regional-cold, background-cold) on a busy machine: a
                             plain Python busy loop (nice 0) runs beside the job from its start to its end
@@ -31,7 +34,8 @@ from typing import Any
 from kiln.bench.plan import measured
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
-            "precompiled-warm-copy", "background-cold", "accelerate-regional", "full-cold", "parallel-cold")
+            "precompiled-warm-copy", "background-cold", "accelerate-regional", "full-cold", "parallel-cold", "default-cold",
+            "parallel-default-cold")
 BUSY = "busy-"
 MILESTONES = (20, 100, 400, 500, 2000)
 # Background rows train 4x the steps (2000 for the plan's 500): on 2 cores the helper's compile
@@ -137,11 +141,12 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         from kiln import Accelerator, TorchDynamoPlugin
 
         regional = variant != "full-cold"  # a whole model may break its graph: fullgraph for regions only
-        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional, dynamic=False,
-                                   use_regional_compilation=regional,
+        as_left = variant in ("default-cold", "parallel-default-cold")  # fullgraph=False, dynamic unset
+        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional and not as_left,
+                                   dynamic=None if as_left else False, use_regional_compilation=regional,
                                    precompile=variant.startswith("precompiled") or None,
                                    compile_in_background=variant == "background-cold",
-                                   parallel_compile=variant == "parallel-cold")
+                                   parallel_compile=variant in ("parallel-cold", "parallel-default-cold"))
         accelerator = Accelerator(dynamo_plugin=plugin, cpu=row["device"] == "cpu")
     model, ids, compute_loss = _build(row)
     model.train()
@@ -164,7 +169,7 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         losses.append(float(loss))
         if step == 1:
             first_done = time.time()
-        if step == 2:  # the first compiled step of every variant (parallel-cold's step 1 runs eagerly)
+        if step == 2:  # the first compiled step of every variant (parallel rows' step 1 runs eagerly)
             two_done, cpu_two = time.time(), _job_cpu_seconds()
         if step in MILESTONES:
             at[step] = round(time.time() - process_start, 3)
@@ -222,9 +227,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def side_by_side_table(rows: list[dict[str, Any]]) -> str:
     """Issue 28's view: compile overhead and the job's CPU seconds to the end of step 2, the
-    helpers and how long training waited for them; empty without full-cold or parallel-cold rows."""
+    helpers and how long training waited for them; empty without full-cold or parallel rows."""
     done = [r for r in measured(rows) if r.get("two_overhead_s") is not None]
-    if not any(r["variant"] in ("full-cold", "parallel-cold") for r in done):
+    if not any(r["variant"] in ("full-cold", "parallel-cold", "parallel-default-cold") for r in done):
         return ""
     lines = ["| model | variant | compile overhead to step 2 s | CPU s to step 2 | compile workers | waited s |",
              "| --- | --- | ---: | ---: | ---: | ---: |"]
@@ -269,8 +274,10 @@ def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _side_by_side_checks(model: str, by: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 28's targets on the compile overhead to the end of step 2 (parallel-cold's first
-    compiled step): UNet regional / full, Kiln's regional / Accelerate's, and CPU seconds."""
+    """Issue 28's targets on the compile overhead to the end of step 2 (the parallel rows' first
+    compiled step): UNet regional / full, Kiln's regional / Accelerate's, and CPU seconds (each
+    parallel row beside its serial row: parallel-cold beside regional-cold, parallel-default-cold
+    beside default-cold)."""
     from kiln.bench.plan import DIFFUSION_MODELS
 
     checks = []
@@ -281,16 +288,18 @@ def _side_by_side_checks(model: str, by: dict[str, dict[str, Any]]) -> list[dict
             checks.append({"target": f"{model}: {name} <= {limit}", "value": round(value, 3), "limit": limit,
                            "met": value <= limit})
 
-    full, cold, parallel = by.get("full-cold"), by.get("regional-cold"), by.get("parallel-cold")
-    accelerate = by.get("accelerate-regional")
-    if model in DIFFUSION_MODELS:
-        for name, row in (("regional-cold", cold), ("parallel-cold", parallel)):
+    full, accelerate = by.get("full-cold"), by.get("accelerate-regional")
+    kiln_rows = [(name, by.get(name)) for name in ("regional-cold", "parallel-cold", "default-cold",
+                                                    "parallel-default-cold")]
+    for name, row in kiln_rows:
+        if model in DIFFUSION_MODELS:
             ratio(f"{name} compile to step 2 / full-cold's", row, full, "two_overhead_s", REGIONAL_OVER_FULL_RATIO)
-    else:
-        for name, row in (("regional-cold", cold), ("parallel-cold", parallel)):
+        else:
             ratio(f"{name} compile to step 2 / accelerate-regional's", row, accelerate, "two_overhead_s",
                   PARALLEL_OVER_ACCELERATE_RATIO)
-    ratio("parallel-cold CPU seconds to step 2 / regional-cold's", parallel, cold, "cpu_two_s", PARALLEL_CPU_RATIO)
+    for parallel, serial in (("parallel-cold", "regional-cold"), ("parallel-default-cold", "default-cold")):
+        ratio(f"{parallel} CPU seconds to step 2 / {serial}'s", by.get(parallel), by.get(serial), "cpu_two_s",
+              PARALLEL_CPU_RATIO)
     return checks
 
 

@@ -212,6 +212,7 @@ def compile_regions(
     block_paths: Sequence[str] | None = None,
     recompile: str = "allow",
     precompile: str | os.PathLike | None = None,
+    in_helpers: bool = False,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -222,6 +223,9 @@ def compile_regions(
     `recompile` ("warn", "error", "allow") is what a recompile after `mark_warm(model)` does.
     `precompile` is a folder for precompiled artifacts (kiln/compile/artifacts/precompiled.py): each call
     signature is compiled ahead of time and saved there, and a later run loads it with no trace.
+    `in_helpers` (with `precompile`): helper processes compile the signatures (train while
+    compiling, kiln/compile/artifacts/background.py); under fullgraph=False, which rules an
+    ahead-of-time compile out, they fill the compile caches and each signature is JIT-compiled here.
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
@@ -246,7 +250,7 @@ def compile_regions(
             KilnCompileWarning,
             stacklevel=2,
         )
-        return compile_full(model, recompile=recompile, precompile=precompile, **kwargs)
+        return compile_full(model, recompile=recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
     modules = dict(model.named_modules())
     regions = []
     source = chosen_by(model, block_classes, block_paths)
@@ -254,7 +258,8 @@ def compile_regions(
         groups = group_instances([modules[p] for p in paths], paths)
         for number, group in enumerate(groups, 1):
             name = _class_label(cls) + (f"#{number}" if len(groups) > 1 else "")
-            region = _compile_class(cls, group.modules, group.paths, "block", kwargs, recompile, precompile, name)
+            region = _compile_class(cls, group.modules, group.paths, "block", kwargs, recompile, precompile, name,
+                                    in_helpers)
             region.chosen_by = source
             region.group = (number, len(groups))
             region.group_differs = describe_difference(group, groups[0]) if number > 1 else ""
@@ -285,16 +290,17 @@ def mark_cudagraph_steps(model: nn.Module) -> None:
 
 
 def compile_full(model: nn.Module, *, recompile: str = "allow", precompile: str | os.PathLike | None = None,
-                 **torch_compile_kwargs: Any) -> nn.Module:
+                 in_helpers: bool = False, **torch_compile_kwargs: Any) -> nn.Module:
     """Compile the whole model as one region, in place (same object, class, keys and hooks);
-    `precompile` as in `compile_regions`."""
+    `precompile` and `in_helpers` as in `compile_regions`."""
     kwargs = _check_compile_kwargs(torch_compile_kwargs)
     check_recompile_policy(recompile)
     if _already_compiled(model):
         warnings.warn(f"{type(model).__name__} is already compiled; leaving it as it is",
                       KilnCompileWarning, stacklevel=2)
         return model
-    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs, recompile, precompile)]
+    _REGIONS[model] = [_compile_class(type(model), [model], [""], "full", kwargs, recompile, precompile,
+                                      in_helpers=in_helpers)]
     return model
 
 
@@ -311,7 +317,8 @@ def compiled_regions(model: nn.Module) -> list[CompiledRegion]:
 
 def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind: str,
                    kwargs: dict[str, Any], recompile: str,
-                   precompile: str | os.PathLike | None = None, name: str | None = None) -> CompiledRegion:
+                   precompile: str | os.PathLike | None = None, name: str | None = None,
+                   in_helpers: bool = False) -> CompiledRegion:
     """Compile one entry for `instances` (one class, or one group of its instances: `name` then
     says which, "ResnetBlock2D#2") and bind it as their forward."""
     forward = _forward_to_compile(cls, instances, paths)
@@ -328,11 +335,15 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
                             base_forward=forward)
     if precompile is not None:
         region.precompile_off = unsupported_reason(all_kwargs)
+        aot_off = None
+        if in_helpers and region.precompile_off is not None and unsupported_reason({**all_kwargs, "fullgraph": True}) is None:
+            aot_off, region.precompile_off = region.precompile_off, None  # only fullgraph=False: the helpers fill caches
         if region.precompile_off is None:
             try:
                 region.precompiled = PrecompiledRegion(
                     precompile, name, label, entry, cls, forward, all_kwargs,
-                    on_compile=lambda reason, first: MONITOR.after_precompile(region, reason, first))
+                    on_compile=lambda reason, first: MONITOR.after_precompile(region, reason, first),
+                    aot_off=aot_off)
             except UnsupportedCall as exc:
                 region.precompile_off = str(exc)
     if region.precompiled is not None:

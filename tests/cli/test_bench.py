@@ -252,6 +252,27 @@ def test_startup_targets_are_ratios_of_rows_in_the_same_run():
     assert "| small | eager | 0.04 | 0.02 | 5.00 | 7.00 | 15.00 | 17.00 | - | 20.0 | - | - | - |" in table
 
 
+def test_side_by_side_targets_set_each_parallel_row_beside_its_serial_row():
+    from kiln.bench import startup
+
+    def row(model, variant, overhead, cpu):
+        return dict(model=model, variant=variant, two_overhead_s=overhead, cpu_two_s=cpu, first_s=overhead,
+                    overhead_s=overhead, steady_ms=80.0, backend="inductor", device="cpu")
+
+    rows = [row("unet2d", "full-cold", 100.0, 150.0), row("unet2d", "default-cold", 80.0, 110.0),
+            row("unet2d", "parallel-default-cold", 58.0, 110.0), row("small6", "accelerate-regional", 20.0, 30.0),
+            row("small6", "regional-cold", 14.0, 28.0), row("small6", "parallel-cold", 14.5, 35.0)]
+    checks = {c["target"]: (c["value"], c["met"]) for c in startup.target_checks(rows)}
+    assert checks == {
+        "unet2d: default-cold compile to step 2 / full-cold's <= 0.6": (0.8, False),
+        "unet2d: parallel-default-cold compile to step 2 / full-cold's <= 0.6": (0.58, True),
+        "unet2d: parallel-default-cold CPU seconds to step 2 / default-cold's <= 1.15": (1.0, True),
+        "small6: regional-cold compile to step 2 / accelerate-regional's <= 0.55": (0.7, False),
+        "small6: parallel-cold compile to step 2 / accelerate-regional's <= 0.55": (0.725, False),
+        "small6: parallel-cold CPU seconds to step 2 / regional-cold's <= 1.15": (1.25, False)}
+    assert "| unet2d | parallel-default-cold | 58.00 | 110.0 | - | - |" in startup.side_by_side_table(rows)
+
+
 def test_busy_machine_targets_compare_background_with_blocking_at_2000_steps():
     from kiln.bench import startup
 

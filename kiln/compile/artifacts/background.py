@@ -78,6 +78,7 @@ class Job:
     skeleton: bytes  # the pickled weightless copy
     device: str
     signature: tuple
+    aot_off: str | None = None  # the settings rule out an ahead-of-time compile: fill the caches only
 
 
 def _path_of(obj: Any) -> tuple[str, str]:
@@ -169,7 +170,8 @@ class BackgroundCompiler:
             device = next((str(t.device) for t in [*module.parameters(), *module.buffers()]), "cpu")
             job = Job(region.name, region.label, _path_of(region.block_class), _path_of(region.forward),
                       dict(region.compile_kwargs), str(region.root),
-                      pickle.dumps(weightless_copy(module, region.block_class)), device, signature)
+                      pickle.dumps(weightless_copy(module, region.block_class)), device, signature,
+                      region.aot_off)
         except Exception as exc:  # an attribute that does not pickle, a class defined in a function
             return self._refuse(region.name, digest, f"the block cannot be sent to the helper "
                                                      f"({type(exc).__name__}: {exc})")

@@ -49,11 +49,14 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
     OutputCode, got function" with aot_eager), JIT-compile it instead, forward and backward, into
     the compile caches the training process shares; return why, for the training process to
     JIT-compile it there (a warm compile with Inductor). `aot_refused` remembers, per region, that
-    ahead of time failed, so later signatures go straight to the JIT fill."""
+    ahead of time failed, so later signatures go straight to the JIT fill; a job whose settings rule
+    an ahead-of-time compile out (`aot_off`) goes there at once."""
     from kiln.compile.artifacts.aot_workarounds import autocast_off, region_entry
     from kiln.compile.artifacts.precompiled import PrecompiledRegion
 
     aot_refused = {} if aot_refused is None else aot_refused
+    if job.aot_off is not None:  # fullgraph=False: nothing to compile ahead of time, only the caches to fill
+        aot_refused.setdefault(job.region, job.aot_off)
 
     if _cpu_inductor(job):
         isa_probe.start()  # once per helper; the compile waits for it

@@ -110,8 +110,11 @@ class PrecompiledRegion:
 
     def __init__(self, directory: str | os.PathLike, name: str, label: str, entry: Callable,
                  block_class: type, forward: Callable, compile_kwargs: dict[str, Any],
-                 on_compile: Callable[[str, bool], None] | None = None) -> None:
+                 on_compile: Callable[[str, bool], None] | None = None, aot_off: str | None = None) -> None:
         self.name = name
+        # Why these settings rule an ahead-of-time compile out (fullgraph=False), for a region whose
+        # helpers only fill the compile caches: every signature is then JIT-compiled here, warm.
+        self.aot_off = aot_off
         self.label = label
         self.entry = entry
         self.forward = forward
@@ -154,6 +157,9 @@ class PrecompiledRegion:
             fn = self._in_background(signature, module)
             if fn is EAGER:
                 return EAGER, signature
+        if fn is _MISSING and self.aot_off is not None:
+            fn = None  # nothing ahead of time to load or compile: the JIT path
+            self._functions[signature] = None
         if fn is _MISSING:
             # Loading rebuilds the guards, compiling records them, saving records them again, each
             # under the dispatch state of its moment (torch 2.13): all must see the calls' state,
@@ -229,6 +235,9 @@ class PrecompiledRegion:
                 abandoned = self.background.abandoned
                 why_jit = (f"compiled in the foreground instead ({abandoned})" if error == abandoned
                            else f"the background compile failed ({error})")
+            elif jit_only is not None and self.aot_off is not None:
+                why_jit = (f"the helper JIT-compiled it into the shared compile caches ({self.aot_off.split(':')[0]} "
+                           "rules an ahead-of-time compile out)")
             elif jit_only is not None:
                 why_jit = (f"it cannot be compiled ahead of time here ({jit_only}); the helper compiled it "
                            "into the shared compile caches")

@@ -292,7 +292,7 @@ def test_the_helper_rebuilds_non_contiguous_inputs_with_their_strides():
 def test_background_setting_is_validated():
     with pytest.raises(ValueError, match="precompile=False"):
         TorchDynamoPlugin(fullgraph=True, compile_in_background=True, precompile=False)
-    with pytest.raises(ValueError, match="fullgraph=False was given"):
-        TorchDynamoPlugin(compile_in_background=True, fullgraph=False)
+    with pytest.raises(ValueError, match="precompile=True needs whole graphs, but fullgraph=False was given"):
+        TorchDynamoPlugin(compile_in_background=True, precompile=True, fullgraph=False)
     plugin = TorchDynamoPlugin(fullgraph=True, environ={"KILN_DYNAMO_COMPILE_IN_BACKGROUND": "1"})
     assert plugin.compile_in_background is True and plugin.precompile is True

@@ -271,8 +271,11 @@ def test_precompile_and_background_imply_fullgraph_when_it_is_left_unset():
     assert TorchDynamoPlugin(precompile=True).notes == ["fullgraph=True, implied by precompile=True (left unset)"]
     assert TorchDynamoPlugin(precompile=True, fullgraph=True).notes == []
     assert TorchDynamoPlugin().fullgraph is False and TorchDynamoPlugin().notes == []
-    with pytest.raises(ValueError, match="compile_in_background=True needs whole graphs, but fullgraph=False"):
-        TorchDynamoPlugin(compile_in_background=True, fullgraph=False)
+    # Set to False beside training while compiling, the helpers fill the compile caches instead.
+    plugin = TorchDynamoPlugin(compile_in_background=True, fullgraph=False)
+    assert plugin.fullgraph is False and plugin.notes[0].startswith("fullgraph=False with compile_in_background=True")
+    with pytest.raises(ValueError, match="precompile=True needs whole graphs, but fullgraph=False"):
+        TorchDynamoPlugin(compile_in_background=True, precompile=True, fullgraph=False)
 
 
 def test_the_report_names_the_implied_fullgraph(tmp_path):
