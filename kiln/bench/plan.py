@@ -192,7 +192,7 @@ PLANS: dict[str, list[Group]] = {
     # and as most users leave it (fullgraph unset: the helpers fill the compile caches), and of a
     # 6-layer Llama beside Accelerate's regional compile; the first 20 steps each, compared at the
     # end of step 2. `--backend aot_eager` checks
-    # the logic in a minute; the targets are Inductor's (about 10 minutes on 2 cores).
+    # the logic in a minute; the targets are Inductor's (about 11 minutes on 2 cores; 22 with --repeat 2).
     "side-by-side": [
         Group(["unet2d"], ["train"], [2], ["regional"], suite="startup", seq={"infer": 32, "train": 32},
               variants=["full-cold", "regional-cold", "parallel-cold", "default-cold", "parallel-default-cold"],
