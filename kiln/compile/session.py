@@ -123,6 +123,9 @@ class CompileSession:
             return False
         self.in_process = f"{why}: the training process compiles {'it' if len(regions) == 1 else 'them'} ({how}) " \
                           "at the first call, sparing the helpers' start-up"
+        for region in regions:
+            if region.precompiled is not None and region.precompiled.aot_off is not None:
+                region.precompiled = None  # nothing to fill without helpers: the plain JIT path, no per-call signature
         return True
 
     def _warn_uncached_fill(self, model: nn.Module, backend: Any) -> None:
