@@ -12,7 +12,7 @@ import torch
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.compile.monitor import KilnRecompileWarning
 from kiln.compile.regions import KilnCompileWarning
-from toy_models import BreakingEncoderDecoder, EncoderBlock
+from toy_models import BreakingEncoderDecoder, EncoderBlock, EncoderDecoder
 
 STEPS = 4
 
@@ -134,6 +134,31 @@ def test_a_lone_process_with_one_free_core_compiles_in_the_training_process(tmp_
                                           "helpers would only take turns with it: the training process compiles "
                                           "them (JIT)")
     acc.end_training()
+
+
+@pytest.mark.inductor
+def test_with_inductor_training_compiles_every_graph_from_the_helpers_caches(tmp_path):
+    # What the mode is for: the training process's own compiles at step 2 find every forward and
+    # backward graph the helpers compiled (an empty Inductor folder of this test's own), so Inductor
+    # generates and builds nothing in training.
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    plugin = TorchDynamoPlugin(backend="inductor", use_regional_compilation=True, fullgraph=False,
+                               cache_dir=str(tmp_path), parallel_compile=True, compile_workers=2)
+    acc = Accelerator(dynamo_plugin=plugin)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _step(model, optimizer, 0, acc)  # eager, then the wait for the helpers
+    assert not counters["inductor"]["fxgraph_cache_miss"]  # nothing compiled here yet
+    _step(model, optimizer, 1, acc)
+    report = acc.compile_report()
+    acc.end_training()
+    assert [job["outcome"] for job in report.timeline] == ["caches only", "caches only"], report.table()
+    assert all(r.ran == "jit+eager" for r in report.regions), report.table()
+    # Two region groups, each a forward and a backward graph.
+    assert counters["inductor"]["fxgraph_cache_hit"] == 4 and counters["inductor"]["fxgraph_cache_miss"] == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 2 and not counters["aot_autograd"]["autograd_cache_miss"]
 
 
 def test_losses_equal_the_plain_loop(run):
