@@ -45,6 +45,18 @@ class EncoderDecoder(nn.Module):
         return self.head(h)
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, accelerator=None) -> float:
+    """One training step of an EncoderDecoder-shaped model (8 features in, 4 classes out) on the
+    seeded batch `step`, through `accelerator.backward` when given: the loss."""
+    generator = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 6, 8, generator=generator), torch.randint(0, 4, (4, 6), generator=generator)
+    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    accelerator.backward(loss) if accelerator is not None else loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
 class BreakingEncoderBlock(EncoderBlock):
     """An encoder block whose forward has a graph break (as a print or a `.item()` makes one)."""
 

@@ -10,24 +10,10 @@ import torch
 
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.compile.artifacts.background import BackgroundCompiler, default_workers
-from toy_models import EncoderDecoder
+from toy_models import EncoderDecoder, train_step
 from torch_features import PRECOMPILE_BACKEND
 
 STEPS = 4
-
-
-def _batch(step):
-    generator = torch.Generator().manual_seed(step)
-    return torch.randn(4, 6, 8, generator=generator), torch.randint(0, 4, (4, 6), generator=generator)
-
-
-def _step(model, optimizer, step, acc=None):
-    x, y = _batch(step)
-    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    acc.backward(loss) if acc is not None else loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +34,13 @@ def run(tmp_path_factory):
     assert acc.compiler.background.pool.wait_ready(timeout=180)
     losses, reports = [], []
     for step in range(STEPS):
-        losses.append(_step(model, optimizer, step, acc))
+        losses.append(train_step(model, optimizer, step, acc))
         reports.append(acc.compile_report())
     processes = list(acc.compiler.background.processes)
     threads = torch.get_num_threads()
     acc.end_training()
     plain_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = [_step(reference, plain_optimizer, step) for step in range(STEPS)]
+    expected = [train_step(reference, plain_optimizer, step) for step in range(STEPS)]
     return acc, losses, reports, processes, expected, threads
 
 

@@ -12,19 +12,9 @@ import torch
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.compile.monitor import KilnRecompileWarning
 from kiln.compile.regions import KilnCompileWarning
-from toy_models import BreakingEncoderDecoder, EncoderBlock, EncoderDecoder
+from toy_models import BreakingEncoderDecoder, EncoderBlock, EncoderDecoder, train_step
 
 STEPS = 4
-
-
-def _step(model, optimizer, step, acc=None):
-    generator = torch.Generator().manual_seed(step)
-    x, y = torch.randn(4, 6, 8, generator=generator), torch.randint(0, 4, (4, 6), generator=generator)
-    loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-    acc.backward(loss) if acc is not None else loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +37,11 @@ def run(tmp_path_factory):
     with warnings.catch_warnings():
         # The compiles at step 2 were owed since step 1: none of them is a recompile after warm-up.
         warnings.simplefilter("error", KilnRecompileWarning)
-        losses = [_step(model, optimizer, step, acc) for step in range(STEPS)]
+        losses = [train_step(model, optimizer, step, acc) for step in range(STEPS)]
     report = acc.compile_report()
     acc.end_training()
     plain_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    expected = [_step(reference, plain_optimizer, step) for step in range(STEPS)]
+    expected = [train_step(reference, plain_optimizer, step) for step in range(STEPS)]
     return acc, losses, report, expected, cache
 
 
@@ -103,7 +93,7 @@ def test_one_region_group_compiles_in_the_training_process_with_a_note(tmp_path)
         warnings.simplefilter("error")  # nothing is filled, so no warning about the backend either
         model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert acc.compiler.background is None
-    losses = [_step(model, optimizer, step, acc) for step in range(2)]
+    losses = [train_step(model, optimizer, step, acc) for step in range(2)]
     report = acc.compile_report()
     region = report.regions[0]
     assert region.ran == "jit" and region.eager_calls == 0 and region.jit_calls == 3 * 2
@@ -111,7 +101,8 @@ def test_one_region_group_compiles_in_the_training_process_with_a_note(tmp_path)
                                           "to run at once: the training process compiles it (JIT)")
     acc.end_training()
     plain_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
-    assert losses == pytest.approx([_step(reference, plain_optimizer, step) for step in range(2)], rel=1e-6, abs=1e-6)
+    expected = [train_step(reference, plain_optimizer, step) for step in range(2)]
+    assert losses == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
 def test_a_lone_process_with_one_free_core_compiles_in_the_training_process(tmp_path, monkeypatch):
@@ -127,7 +118,7 @@ def test_a_lone_process_with_one_free_core_compiles_in_the_training_process(tmp_
     acc = Accelerator(dynamo_plugin=plugin)
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert acc.compiler.background is None
-    _step(model, optimizer, 0, acc)
+    train_step(model, optimizer, 0, acc)
     report = acc.compile_report()
     assert all(r.ran == "jit" and r.eager_calls == 0 for r in report.regions), report.table()
     assert report.side_by_side.startswith("no: one free core (this process's affinity), so parallel_compile's "
@@ -149,9 +140,9 @@ def test_with_inductor_training_compiles_every_graph_from_the_helpers_caches(tmp
                                cache_dir=str(tmp_path), parallel_compile=True, compile_workers=2)
     acc = Accelerator(dynamo_plugin=plugin)
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    _step(model, optimizer, 0, acc)  # eager, then the wait for the helpers
+    train_step(model, optimizer, 0, acc)  # eager, then the wait for the helpers
     assert not counters["inductor"]["fxgraph_cache_miss"]  # nothing compiled here yet
-    _step(model, optimizer, 1, acc)
+    train_step(model, optimizer, 1, acc)
     report = acc.compile_report()
     acc.end_training()
     assert [job["outcome"] for job in report.timeline] == ["caches only", "caches only"], report.table()
