@@ -70,21 +70,18 @@ class CompileSession:
         if plugin.precompile and precompile is None:
             warnings.warn("precompile=True, but the compile cache is off (KILN_COMPILE_CACHE=0 or an "
                           "unusable folder), so nothing is precompiled", KilnCompileWarning, stacklevel=4)
-        cpu_inductor = kwargs.get("backend", "inductor") == "inductor" and device.type == "cpu"
-        if cpu_inductor and not plugin.compile_in_background:
-            isa_probe.start()  # the compile or load at the first call waits for it (isa_probe.py)
-        in_helpers = plugin.compile_in_background
+        in_helpers, backend = plugin.compile_in_background, kwargs.get("backend", "inductor")
         if plugin.use_regional_compilation:
             compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
                             recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
         else:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
-        here = plugin.compile_in_background and self._compile_here(model)
-        if here and cpu_inductor:
-            isa_probe.start()
-        if plugin.compile_in_background and not here:
+        here = in_helpers and self._compile_here(model)
+        if backend == "inductor" and device.type == "cpu" and (here or not in_helpers):
+            isa_probe.start()  # this process compiles or loads at the first call, which waits for it (isa_probe.py)
+        if in_helpers and not here:
             self._compile_in_background(model)
-            self._warn_uncached_fill(model, kwargs.get("backend", "inductor"))
+            self._warn_uncached_fill(model, backend)
         elif plugin.precompile:
             self._share_across_machines(model)
         if plugin.precompile:
