@@ -20,6 +20,7 @@ kiln.compile (never the facade). Variants (what lies in the cache folder as the 
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import time
@@ -80,8 +81,9 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     from torch._dynamo.utils import get_compilation_metrics
 
     from kiln.bench.measure import build_model, peak_memory_mib
-    from kiln.compile.artifacts.bundle import install_bundle, job_files, write_bundle
+    from kiln.compile.artifacts.bundle import install_bundle, job_files, vouch_for, write_bundle
     from kiln.compile.artifacts.cache import CompileCache
+    from kiln.compile.artifacts.trust import ENV_KEY, KEY_FILE, signing_key
     from kiln.compile.regions import compile_regions, compiled_regions
 
     if row.get("threads"):
@@ -98,7 +100,11 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     key = cache.key(model, {"backend": row["backend"]}, torch.device(row["device"]))
     installed = None
     if row["variant"] in RESUME_VARIANTS:  # what load_state does before the first step
-        installed = install_bundle(checkpoint_folder(cache.directory) / BUNDLE, cache, [key], row["device"])
+        # The saving job's key, as a fresh machine gets it: in the environment (docs/checkpoints.md#trust).
+        os.environ[ENV_KEY] = (checkpoint_folder(cache.directory) / KEY_FILE).read_text().strip()
+        bundle = checkpoint_folder(cache.directory) / BUNDLE
+        installed = install_bundle(bundle, cache, [key], row["device"],
+                                   vouch_for(bundle, signing_key(cache.directory)))
         if installed.message is not None:
             return dict(row, error=installed.message)
     hit = cache.load(key)
@@ -134,8 +140,11 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     regions = compiled_regions(model)
     if row["variant"] in ("cold", "cold-precompile"):  # what save_state would add to a checkpoint, to resume from
         folders = [r.precompiled.directory for r in regions if r.precompiled is not None]
+        signer = signing_key(cache.directory, create=True)
         bundle_bytes = write_bundle(checkpoint_folder(cache.directory) / BUNDLE, job_files(cache, [key], folders),
-                                    [key], row["device"])
+                                    [key], row["device"], signer)
+        # The stand-in for the secret a resuming job is given (never kept beside a real checkpoint).
+        (checkpoint_folder(cache.directory) / KEY_FILE).write_bytes(signer)
     median_s = statistics.median(steady)
     result = dict(row)
     result.update(

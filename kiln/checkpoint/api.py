@@ -111,7 +111,8 @@ class CheckpointAPI:
         self.project_configuration.iteration += 1  # as Accelerate: every save_state advances it
         return str(saved)
 
-    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True) -> LoadReport:
+    def load_state(self, input_dir: str | os.PathLike | None = None, strict: bool = True,
+                   trust_compile_artifacts: bool = False) -> LoadReport:
         """Restore what save_state wrote into the objects prepared, in the same order. A missing,
         truncated or incomplete checkpoint is an error naming the file, one of another model an
         error naming the first mismatched names and shapes; either way nothing is loaded. Without
@@ -125,8 +126,15 @@ class CheckpointAPI:
         `DataLoaderConfiguration(use_stateful_dataloader=True)`; else use skip_first_batches.
         `strict=False`: model weights may miss names or hold extra ones.
 
+        The checkpoint's compiled code (`compile_artifacts.kiln`) is installed only when its signature was
+        made with this job's signing key (KILN_COMPILE_SIGNING_KEY, else the key in the Kiln cache folder);
+        `trust_compile_artifacts=True` installs an unsigned or foreign one, for a checkpoint whose author
+        you trust to run code on this machine (docs/checkpoints.md#trust).
+
         A folder written by Accelerate's `save_state` (one process or DDP) loads too, into the objects
         prepared in the same order as the Accelerate script prepared them (docs/checkpoints.md)."""
+        if not isinstance(trust_compile_artifacts, bool):
+            raise TypeError(f"trust_compile_artifacts must be True or False, got {trust_compile_artifacts!r}")
         if input_dir is None:
             number, input_dir = latest_checkpoint(self.project_configuration)
             self.project_configuration.iteration = number + 1
@@ -144,7 +152,8 @@ class CheckpointAPI:
         if report.saved_processes != report.processes and self.is_main_process:
             warnings.warn(f"resuming on another number of processes: {report}", KilnResumeWarning, stacklevel=2)
         if not is_accelerate:  # before the first step: compilation waits for the first call
-            self.compiler.install_artifacts(folder / COMPILE_ARTIFACTS, self.device, self.wait_for_everyone)
+            self.compiler.install_artifacts(folder / COMPILE_ARTIFACTS, self.device, self.wait_for_everyone,
+                                            trust_all=trust_compile_artifacts)
         self.wait_for_everyone()
         return report
 

@@ -13,14 +13,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.bundle import bundle_keys, install_bundle, job_files, write_bundle
+from kiln.compile.artifacts.bundle import Vouch, bundle_keys, install_bundle, job_files, vouch_for, write_bundle
 from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
 from kiln.compile.artifacts.compile_pool import free_cores
 from kiln.compile.artifacts.sharing import share_across_machines
+from kiln.compile.artifacts.trust import KilnTrustWarning, signing_key
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.progress import PROGRESS
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm
@@ -39,6 +41,8 @@ class CompileSession:
             cache = CompileCache(self.plugin.cache_dir, self.plugin.cache, is_writer=is_writer)
             cache.activate()
             self.cache = cache if cache.enabled else None
+            signing_key(None)  # a bad KILN_COMPILE_SIGNING_KEY fails here, in every process, before any waits
+        self.is_writer = is_writer  # the job's main process: it signs and vouches for checkpoint bundles
         self.is_local_main = is_local_main
         if self.plugin is not None:
             PROGRESS.is_main = is_local_main  # the live compile line: one per machine, as Accelerate's tqdm
@@ -258,17 +262,22 @@ class CompileSession:
             files = job_files(self.cache, self._cache_keys, folders)
             if not files:
                 return 0, 0
-            return write_bundle(Path(path), files, self._cache_keys, self._device), len(files)
+            key = signing_key(self.cache.directory, create=True)  # made on first use, owner-only (trust.py)
+            return write_bundle(Path(path), files, self._cache_keys, self._device, key), len(files)
         except OSError as exc:  # the checkpoint is whole without them: a warning, not a failed save
             Path(path).unlink(missing_ok=True)
             warnings.warn(f"compile artifacts not added to the checkpoint: {exc}; a resume on a machine with "
                           "empty caches compiles cold", KilnCacheWarning, stacklevel=2)
             return 0, 0
 
-    def install_artifacts(self, path: Path, device: torch.device, barrier: Callable[[], None]) -> None:
+    def install_artifacts(self, path: Path, device: torch.device, barrier: Callable[[], None],
+                          trust_all: bool = False) -> None:
         """Install a checkpoint's compile artifacts into this machine's caches before the first step.
 
-        Collective: every process calls it. The local main process writes the files that are missing
+        Collective: every process calls it. The main process checks the bundle's signature with the job's
+        signing key (or takes it as trusted with `trust_all`) and tells every process the digest of the
+        bytes it vouches for; an untrusted bundle is one KilnTrustWarning per machine, nothing installed
+        and a cold compile. The local main process writes the files that are missing
         (other local processes share its folder); then every process loads the cache entries it
         missed at prepare. A bundle of another machine or torch, or a damaged one, is one
         KilnCacheWarning per machine and a cold compile; never an error. One of another job key (this
@@ -279,11 +288,13 @@ class CompileSession:
         if self.plugin is None:  # the same in every process (one configuration): no process waits alone
             return
         path = Path(path)
+        vouched = self._vouch(path, trust_all)
         present = self.cache is not None and path.is_file()
         if present and self.is_local_main:
-            result = install_bundle(path, self.cache, self._cache_keys, self._device or device)
+            result = install_bundle(path, self.cache, self._cache_keys, self._device or device, vouched)
             if result.message is not None:
-                warnings.warn(result.message, KilnCacheWarning, stacklevel=3)  # the user's load_state()
+                category = KilnTrustWarning if result.untrusted else KilnCacheWarning
+                warnings.warn(result.message, category, stacklevel=3)  # the user's load_state()
         barrier()  # whatever this process found: a machine whose cache folder failed must not hang the rest
         if not present:
             return
@@ -301,6 +312,26 @@ class CompileSession:
                 continue
             if self.cache.load(key):
                 self._loaded_keys.add(key)
+
+
+    def _vouch(self, path: Path, trust_all: bool) -> Vouch:
+        """Collective: the main process's verdict on the bundle at `path` (its signature checked with the
+        job's key), sent to every process over the job's process group, so that every machine installs
+        the bytes the main process checked and no machine needs the key (trust.py)."""
+        verdict = None
+        if self.is_writer:
+            if path.is_file():
+                verdict = vouch_for(path, signing_key(self.cache.directory if self.cache is not None else None),
+                                    trust_all)
+            else:
+                verdict = Vouch(None, f"compile artifacts {path} not installed: the job's main process does not see "
+                                      "this file, so nobody vouched for it; the first step compiles cold",
+                                untrusted=True)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            box = [verdict]
+            dist.broadcast_object_list(box, src=0)
+            verdict = box[0]
+        return verdict
 
 
 def side_by_side_note(plugin, report: CompileReport) -> str | None:

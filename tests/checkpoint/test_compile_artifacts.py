@@ -9,10 +9,12 @@ other cases resume in this process, each test with its own empty Kiln folder (co
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -21,18 +23,22 @@ import kiln.compile.artifacts.bundle as bundle
 from kiln import Accelerator, TorchDynamoPlugin
 from kiln.checkpoint.integrity import COMPILE_ARTIFACTS
 from kiln.compile.artifacts.cache import INDUCTOR_ENV, KilnCacheWarning, pack_envelope, read_envelope
+from kiln.compile.artifacts.trust import ENV_KEY, KEY_FILE, KilnTrustWarning, key_id
 from toy_models import tiny_llama
 from torch_features import PRECOMPILE_BACKEND
 
 TESTS = Path(__file__).resolve().parents[1]
 STEPS, SAVED_AT = 4, 2  # the saving run saves after 2 optimizer steps and goes on to 4
+# The key a team gives every job (KILN_COMPILE_SIGNING_KEY): the saving run signs with it, and the
+# resumes that hold it trust the checkpoint's compiled code.
+TEAM_KEY = "kiln-tests-team-key-" + "5a" * 16
 CHILD = ("import json, sys; sys.path[:0] = sys.argv[1:3]; import test_compile_artifacts as t; "
          "print('RESULT ' + json.dumps(t.run_job(sys.argv[3], sys.argv[4])))")
 
 
-def run_job(checkpoint: str, mode: str) -> dict:
-    """'save': steps 0..3, save_state after step 1; 'resume': load_state, then steps 2..3. Returns the
-    losses and what the compiled region did."""
+def run_job(checkpoint: str, mode: str, **load_kwargs) -> dict:
+    """'save': steps 0..3, save_state after step 1; 'resume': load_state(checkpoint, **load_kwargs), then
+    steps 2..3. Returns the losses and what the compiled region did."""
     plugin = TorchDynamoPlugin(backend=PRECOMPILE_BACKEND, use_regional_compilation=True, precompile=True,
                                fullgraph=True)
     acc = Accelerator(dynamo_plugin=plugin)
@@ -41,7 +47,7 @@ def run_job(checkpoint: str, mode: str) -> dict:
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     start = 0
     if mode == "resume":
-        acc.load_state(checkpoint)
+        acc.load_state(checkpoint, **load_kwargs)
         start = SAVED_AT
     losses = []
     for step in range(start, STEPS):
@@ -59,13 +65,14 @@ def run_job(checkpoint: str, mode: str) -> dict:
             "traces": region.traces, "ran": region.ran, "artifact_cache": report.artifact_cache}
 
 
-def run_child(checkpoint: Path, mode: str, folder: Path) -> tuple[dict, str]:
-    """`run_job` in a fresh interpreter whose Kiln and Inductor folders are `folder`'s, empty at the start."""
+def run_child(checkpoint: Path, mode: str, folder: Path, key: str | None = TEAM_KEY) -> tuple[dict, str]:
+    """`run_job` in a fresh interpreter whose Kiln and Inductor folders are `folder`'s, empty at the start,
+    given the signing key `key` in its environment (None: none)."""
     (folder / "kiln-cache").mkdir(parents=True)
     (folder / "inductor").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
     env.update(KILN_COMPILE_CACHE_DIR=str(folder / "kiln-cache"), OMP_NUM_THREADS="1",
-               **{INDUCTOR_ENV: str(folder / "inductor")})
+               **{INDUCTOR_ENV: str(folder / "inductor")}, **({ENV_KEY: key} if key else {}))
     proc = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(TESTS / "checkpoint"), str(checkpoint), mode],
                           capture_output=True, text=True, timeout=300, env=env, cwd=folder)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -91,23 +98,29 @@ def checkpoint(saved, tmp_path):
     return copy
 
 
-def resumed_here(checkpoint: Path) -> tuple[dict, list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as caught:
+def resumed_here(checkpoint: Path, key: str | None = TEAM_KEY, **load_kwargs) -> tuple[dict, list[warnings.WarningMessage]]:
+    """`run_job`'s resume in this process, holding the signing key `key` (None: none, as on a fresh
+    machine); the Kiln cache and trust warnings it gave."""
+    env = {k: v for k, v in os.environ.items() if k != ENV_KEY}
+    with warnings.catch_warnings(record=True) as caught, mock.patch.dict(os.environ, env, clear=True):
         warnings.simplefilter("always")
-        result = run_job(str(checkpoint), "resume")
-    return result, [w for w in caught if issubclass(w.category, KilnCacheWarning)]
+        if key is not None:
+            os.environ[ENV_KEY] = key
+        result = run_job(str(checkpoint), "resume", **load_kwargs)
+    return result, [w for w in caught if issubclass(w.category, (KilnCacheWarning, KilnTrustWarning))]
 
 
-def rewrite_header(path: Path, change) -> None:
-    """Rewrite a bundle's header with `change(header)`, keeping its payload and a valid checksum."""
+def rewrite_header(path: Path, change, key: str | None = TEAM_KEY) -> None:
+    """Rewrite a bundle's header with `change(header)`, keeping its payload, with a valid checksum and,
+    under `key`, a valid signature."""
     header, payload = read_envelope(path.read_bytes(), bundle.MAGIC, bundle.FORMAT_VERSION, "bundle")
     change(header)
-    path.write_bytes(pack_envelope(bundle.MAGIC, {k: v for k, v in header.items() if not k.startswith("payload_")},
-                                   payload))
+    path.write_bytes(bundle.seal(header, payload, key.encode() if key else None))
 
 
 def rename_members(path: Path, rename) -> None:
-    """Rewrite a bundle with each file's name in it changed by `rename`, keeping its header."""
+    """Rewrite a bundle with each file's name in it changed by `rename`, keeping its header (signed with
+    the team key)."""
     header, payload = read_envelope(path.read_bytes(), bundle.MAGIC, bundle.FORMAT_VERSION, "bundle")
     folder = path.parent / "renamed"
     files = {}
@@ -118,8 +131,7 @@ def rename_members(path: Path, rename) -> None:
         files[rename(name)] = source
     packed = bundle.pack_bundle(files, header["keys"], "cpu")
     _, new_payload = read_envelope(packed, bundle.MAGIC, bundle.FORMAT_VERSION, "bundle")
-    path.write_bytes(pack_envelope(bundle.MAGIC, {k: v for k, v in header.items() if not k.startswith("payload_")},
-                                   new_payload))
+    path.write_bytes(bundle.seal(header, new_payload, TEAM_KEY.encode()))
     shutil.rmtree(folder)
 
 
@@ -223,7 +235,8 @@ def test_a_bundle_naming_a_file_outside_the_caches_installs_nothing(tmp_path):
                                                   "machine": bundle.machine_key("cpu")}, buffer.getvalue()))
     from kiln.compile.artifacts.cache import CompileCache
 
-    result = bundle.install_bundle(path, CompileCache(tmp_path / "cache"), [], "cpu")
+    result = bundle.install_bundle(path, CompileCache(tmp_path / "cache"), [], "cpu",
+                                   bundle.vouch_for(path, None, trust_all=True))
     assert result.installed == 0 and "'kiln/../../escaped.txt', which is not a cache file" in result.message
     assert not (tmp_path / "escaped.txt").exists()
 
@@ -252,14 +265,113 @@ def test_cpu_kernels_this_process_loaded_and_the_probes_builds_travel_into_the_o
     files = bundle.job_files(saving, [], [])
     assert sorted(files) == [f"inductor/24/{probe}.cpp", f"inductor/24/{probe}.so",
                              f"inductor/k7/{key}.main.cpp", f"inductor/k7/{key}.main.so"]
-    bundle.write_bundle(tmp_path / COMPILE_ARTIFACTS, files, ["f" * 64], "cpu")
+    bundle.write_bundle(tmp_path / COMPILE_ARTIFACTS, files, ["f" * 64], "cpu", TEAM_KEY.encode())
     fresh = CompileCache(tmp_path / "fresh")
-    result = bundle.install_bundle(tmp_path / COMPILE_ARTIFACTS, fresh, ["f" * 64], "cpu")
+    vouched = bundle.vouch_for(tmp_path / COMPILE_ARTIFACTS, TEAM_KEY.encode())
+    result = bundle.install_bundle(tmp_path / COMPILE_ARTIFACTS, fresh, ["f" * 64], "cpu", vouched)
     assert (result.installed, result.present, result.message) == (4, 0, None)
     assert (fresh.inductor_dir / "k7" / f"{key}.main.so").read_bytes() == b"\x7fELF built"
     assert (fresh.inductor_dir / "24" / f"{probe}.so").read_bytes() == b"\x7fELF probe"
-    again = bundle.install_bundle(tmp_path / COMPILE_ARTIFACTS, fresh, ["f" * 64], "cpu")
+    again = bundle.install_bundle(tmp_path / COMPILE_ARTIFACTS, fresh, ["f" * 64], "cpu", vouched)
     assert (again.installed, again.present) == (0, 4)  # what a machine has already is left as it is
+
+
+# ----- trust: only signed compiled code is installed ---------------------------------------------
+
+def _assert_told_and_cold(result: dict, caught: list, saved_result: dict, *phrases: str) -> None:
+    """One KilnTrustWarning containing `phrases` and the way to accept; nothing loaded; the right losses."""
+    assert len(caught) == 1 and caught[0].category is KilnTrustWarning, [str(w.message) for w in caught]
+    text = str(caught[0].message)
+    for phrase in (*phrases, "not installed", "compiles cold", "trust_compile_artifacts=True", ENV_KEY):
+        assert phrase in text, text
+    assert result["loaded"] == 0 and result["compiled"] >= 1, result
+    assert_losses_continue(result, saved_result)
+
+
+def test_the_saving_job_signs_the_bundle_with_its_key(saved):
+    header, payload = read_envelope((saved[0] / COMPILE_ARTIFACTS).read_bytes(), bundle.MAGIC,
+                                    bundle.FORMAT_VERSION, "bundle")
+    assert header["signed_by"] == key_id(TEAM_KEY.encode())
+    assert bundle.vouch_for(saved[0] / COMPILE_ARTIFACTS, TEAM_KEY.encode()).sha256 is not None
+    assert bundle.vouch_for(saved[0] / COMPILE_ARTIFACTS, b"another key of at least 32 characters").sha256 is None
+
+
+def test_a_fresh_machine_without_the_key_is_told_to_set_it_and_compiles_cold(saved, checkpoint):
+    result, caught = resumed_here(checkpoint, key=None)  # this test's Kiln folder holds no key either
+    _assert_told_and_cold(result, caught, saved[1], "this machine holds no signing key",
+                          key_id(TEAM_KEY.encode()))
+
+
+def test_an_unsigned_bundle_is_refused_and_trust_compile_artifacts_installs_it(saved, checkpoint):
+    rewrite_header(checkpoint / COMPILE_ARTIFACTS, lambda h: None, key=None)  # a valid checksum, no signature
+    result, caught = resumed_here(checkpoint)
+    _assert_told_and_cold(result, caught, saved[1], "carries no signature")
+
+    torch._dynamo.reset()
+    shutil.rmtree(os.environ["KILN_COMPILE_CACHE_DIR"] + "/precompiled")  # a fresh machine again
+    result, caught = resumed_here(checkpoint, trust_compile_artifacts=True)
+    assert caught == [] and result["loaded"] >= 1 and result["compiled"] == 0, result
+    assert_losses_continue(result, saved[1])
+
+
+def test_a_bundle_signed_with_another_key_is_refused(saved, checkpoint):
+    other = "someone-elses-key-" + "e" * 32
+    rewrite_header(checkpoint / COMPILE_ARTIFACTS, lambda h: None, key=other)
+    result, caught = resumed_here(checkpoint)
+    _assert_told_and_cold(result, caught, saved[1], f"signed with key {key_id(other.encode())}",
+                          f"not with this job's key {key_id(TEAM_KEY.encode())}")
+
+
+def test_a_bundle_changed_after_signing_is_refused_even_with_a_fixed_checksum(saved, checkpoint):
+    path = checkpoint / COMPILE_ARTIFACTS
+    header, payload = read_envelope(path.read_bytes(), bundle.MAGIC, bundle.FORMAT_VERSION, "bundle")
+    changed = bytearray(payload)
+    changed[len(changed) // 2] ^= 0xFF
+    # The attacker's rewrite: the old signature kept, the checksum and size fixed for the new payload.
+    path.write_bytes(pack_envelope(bundle.MAGIC, {k: v for k, v in header.items() if not k.startswith("payload_")},
+                                   bytes(changed)))
+    result, caught = resumed_here(checkpoint)
+    _assert_told_and_cold(result, caught, saved[1], "does not match its contents")
+
+
+def test_without_a_key_the_first_save_makes_one_owner_only_and_the_same_folder_trusts_it(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    folder = Path(os.environ["KILN_COMPILE_CACHE_DIR"])
+    assert not (folder / KEY_FILE).exists()
+    acc = _precompiling_accelerator()
+    _short_job(acc)
+    acc.save_state(tmp_path / "checkpoint")
+    key_file = folder / KEY_FILE
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and len(key_file.read_text().strip()) == 64
+    header, _ = read_envelope((tmp_path / "checkpoint" / COMPILE_ARTIFACTS).read_bytes(), bundle.MAGIC,
+                              bundle.FORMAT_VERSION, "bundle")
+    assert header["signed_by"] == key_id(key_file.read_text().strip().encode())
+    acc.save_state(tmp_path / "again")
+    assert key_file.read_text() == key_file.read_text()  # made once, kept
+    assert bundle.vouch_for(tmp_path / "again" / COMPILE_ARTIFACTS,
+                            key_file.read_text().strip().encode()).sha256 is not None
+
+    key_file.chmod(0o644)  # readable by others: no longer a secret, so neither used nor trusted
+    with pytest.warns(KilnTrustWarning, match=r"signing key .* not used: other users can read or write it"):
+        acc.save_state(tmp_path / "exposed")
+    header, _ = read_envelope((tmp_path / "exposed" / COMPILE_ARTIFACTS).read_bytes(), bundle.MAGIC,
+                              bundle.FORMAT_VERSION, "bundle")
+    assert "signature" not in header
+
+
+def test_a_short_signing_key_is_an_error_at_accelerator(monkeypatch):
+    monkeypatch.setenv(ENV_KEY, "hunter2")
+    with pytest.raises(ValueError, match="KILN_COMPILE_SIGNING_KEY holds 7 characters; a signing key needs at "
+                                         "least 32"):
+        _precompiling_accelerator()
+
+
+def test_trust_compile_artifacts_must_be_a_bool(saved, checkpoint):
+    acc = _precompiling_accelerator()
+    model = tiny_llama(2)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="trust_compile_artifacts must be True or False, got 'yes'"):
+        acc.load_state(checkpoint, trust_compile_artifacts="yes")
 
 
 # ----- Kiln's JIT cache entries travel too --------------------------------------------------------
@@ -267,6 +379,7 @@ def test_cpu_kernels_this_process_loaded_and_the_probes_builds_travel_into_the_o
 def test_kiln_cache_entry_travels_and_is_a_hit_after_load_state(tmp_path, monkeypatch):
     # aot_eager leaves torch no cache artifacts: torch's save/load of them are faked (as in test_cache.py),
     # so the entry Kiln writes after the first step is what must travel and be loaded after load_state.
+    monkeypatch.setenv(ENV_KEY, TEAM_KEY)  # every job holds the team's key
     payload = b"compiled-artifacts:" + bytes(range(256))
     loaded = []
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts",
@@ -375,7 +488,7 @@ def test_two_processes_resume_from_one_process_checkpoint_on_its_installed_artif
     saving, resuming = tmp_path / "saving", tmp_path / "resuming"
     saving.mkdir()
     resuming.mkdir()
-    one_thread = dict(os.environ, OMP_NUM_THREADS="1")
+    one_thread = dict(os.environ, OMP_NUM_THREADS="1", **{ENV_KEY: TEAM_KEY})  # the key, as the jobs' secret
     saved_run = run_worker(saving, 1, "--precompile", "--epochs", "2", "--save-at", "1",
                            env=dict(one_thread, KILN_COMPILE_CACHE_DIR=str(saving / "cache")))
     assert saved_run["compiled_ahead"] == [2], saved_run  # the encoder's and the decoder's block

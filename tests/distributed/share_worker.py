@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import sys
+import warnings
 
 import torch
 
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--stall", action="store_true", help="machine 1 stalls at the transfer")
     parser.add_argument("--uneven", action="store_true", help="machine 1's sequences are 2 tokens shorter")
     parser.add_argument("--reference", action="store_true", help="rank 0 also runs the plain loop")
+    parser.add_argument("--save-at", type=int, default=None, help="save_state to --checkpoint after this many steps")
+    parser.add_argument("--resume", action="store_true", help="load_state from --checkpoint, then its later steps")
+    parser.add_argument("--checkpoint", default=None)
     args = parser.parse_args()
     node = int(os.environ["GROUP_RANK"])
     if args.other_torch and node == 1:
@@ -91,7 +95,18 @@ def main() -> None:
     model, optimizer = acc.prepare(model, optimizer)
     losses = []
     half = BATCH // acc.num_processes
-    for ids in batches():
+    start = 0
+    if args.resume:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            acc.load_state(args.checkpoint)
+        load_warnings = [f"{w.category.__name__}: {w.message}" for w in caught]
+        start = args.save_at
+    for step, ids in enumerate(batches()):
+        if step < start:
+            continue
+        if step == args.save_at and not args.resume:
+            acc.save_state(args.checkpoint)
         mine = ids[acc.process_index * half:(acc.process_index + 1) * half]
         if args.uneven and node == 1:
             mine = mine[:, :-2]
@@ -110,6 +125,8 @@ def main() -> None:
               "artifacts": [p.name for r in regions for p in sorted(r.precompiled.directory.glob("*.kpc"))],
               "share_seconds": sum(s.share_seconds for s in stats),
               "traces": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+    if args.resume:
+        record["load_warnings"] = load_warnings
     if acc.process_index == 0:  # evaluation on one process: a signature the other machine never meets
         with torch.no_grad():
             acc.unwrap_model(model)(input_ids=batches()[0][:1], use_cache=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.compile.artifacts.trust import ENV_KEY, KEY_FILE
 from local_launch import _start
 from ports import free_port
 
@@ -45,7 +46,7 @@ def agents(tmp_path_factory):
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
          "--node_rank", str(node), "--master_addr", "127.0.0.1", "--master_port", str(port),
-         str(WORKER), "--out", str(out), "--reference"],
+         str(WORKER), "--out", str(out), "--reference", "--save-at", "1", "--checkpoint", str(folder / "ckpt")],
         env=machine_env(folder, node), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for node in (0, 1)]
     logs = [agent.communicate(timeout=300)[0] for agent in agents]
@@ -53,12 +54,14 @@ def agents(tmp_path_factory):
     return records(out), logs, folder
 
 
-def forked_machines(folder: Path, *flags: str, share_timeout_s: float, timeout: float = 120):
-    """The job's two processes forked from local_launch's server; (exit codes, outputs, seconds until
-    machine 0's process ended, the output prefix). Machine 1's is killed once machine 0's failed."""
+def forked_machines(folder: Path, *flags: str, share_timeout_s: float, timeout: float = 120,
+                    node_env: dict[int, dict[str, str]] | None = None):
+    """The job's two processes forked from local_launch's server, each with `node_env[node]` added to its
+    environment; (exit codes, outputs, seconds until machine 0's process ended, the output prefix).
+    Machine 1's is killed once machine 0's failed."""
     port, out, procs, files = free_port(), folder / "out", [], []
     for node in (0, 1):
-        env = dict(machine_env(folder, node), RANK=str(node), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+        env = dict(machine_env(folder, node), **(node_env or {}).get(node, {}), RANK=str(node), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
                    GROUP_RANK=str(node), GROUP_WORLD_SIZE="2", ROLE_RANK=str(node), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), KILN_COMPILE_SHARE_TIMEOUT=str(share_timeout_s))
         files.append((folder / f"{node}.out", folder / f"{node}.err"))
@@ -116,6 +119,36 @@ def test_the_machine_that_holds_an_artifact_sends_it_and_nothing_is_compiled_aga
     assert holder["received"] == 0 and empty["received"] == 1 and holder["loaded"] == empty["loaded"] == 1
     assert f"received from machine {holder['node']}" in " ".join(empty["notes"])
     assert again[0]["losses"] == first["losses"]
+
+
+def test_fresh_machines_resume_on_the_checkpoint_the_main_process_vouched_for(agents, tmp_path):
+    # The saving job signed with machine 0's key (made in its Kiln folder at the first save). The resumed
+    # job runs on two fresh machines, and only machine 0 is given that key, as a secret in its
+    # environment: machine 1 installs the bytes machine 0 checked, told over the job's process group.
+    (first, _), _, folder = agents
+    key = (folder / "machine0" / "kiln" / KEY_FILE).read_text().strip()
+    codes, outputs, _, out = forked_machines(tmp_path, "--resume", "--save-at", "1", "--checkpoint",
+                                             str(folder / "ckpt"), share_timeout_s=120, node_env={0: {ENV_KEY: key}})
+    assert codes == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    for record in records(out):
+        assert record["load_warnings"] == [], record["load_warnings"]
+        assert record["loaded"] == 1 and record["compiled"] == record["received"] == record["traces"] == 0, record
+        assert record["losses"] == pytest.approx(first["losses"][1:], rel=1e-6, abs=1e-7)
+    assert not (tmp_path / "machine1" / "kiln" / KEY_FILE).exists()
+
+
+def test_without_the_key_fresh_machines_refuse_the_checkpoints_code_and_still_compile_once_per_job(agents, tmp_path):
+    (first, _), _, folder = agents
+    codes, outputs, _, out = forked_machines(tmp_path, "--resume", "--save-at", "1", "--checkpoint",
+                                             str(folder / "ckpt"), share_timeout_s=120)
+    assert codes == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
+    resumed = records(out)
+    for record in resumed:
+        (warning,) = record["load_warnings"]
+        assert warning.startswith("KilnTrustWarning: compile artifacts") and "holds no signing key" in warning
+        assert record["losses"] == pytest.approx(first["losses"][1:], rel=1e-6, abs=1e-7)
+    # Nothing installed, so the job compiles, once: one machine compiles, the other receives it.
+    assert sorted(r["compiled"] for r in resumed) == [0, 1] and sorted(r["received"] for r in resumed) == [0, 1]
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,11 @@ ROOT = HERE.parents[1]
 
 
 def run_worker(tmp_path, processes, *args, env=None):
-    """The worker's result; `env` (default: this process's) less any KILN_ setting but the cache folder."""
+    """The worker's result; `env` (default: this process's) less any KILN_ setting but the cache folder and
+    the signing key."""
     out = tmp_path / f"result_{processes}.json"
-    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("KILN_") or k == "KILN_COMPILE_CACHE_DIR"}
+    kept = ("KILN_COMPILE_CACHE_DIR", "KILN_COMPILE_SIGNING_KEY")
+    env = {k: v for k, v in (env or os.environ).items() if not k.startswith("KILN_") or k in kept}
     env["PYTHONPATH"] = str(ROOT)
     done = start(processes, "--out", str(out), *args, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]

@@ -12,11 +12,14 @@ What is packed (names inside the bundle, relative to the folder they are install
                                     their sources, and the CPU probe's check libraries: without them
                                     gcc runs again (DESIGN.md section 3)
 Layout of the file: cache.pack_envelope's (magic line, one JSON header line, payload), the payload a
-gzip'd tar of the files above. The header holds the job keys and the machine they were built on.
+gzip'd tar of the files above. The header holds the job keys, the machine they were built on and, when
+the writer holds a signing key, the key's id and an HMAC-SHA256 over header and payload (trust.py):
+a checkpoint's bundle is installed only when the job's main process vouches for it (`vouch_for`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import platform
@@ -24,12 +27,13 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
 from kiln.compile.artifacts.cache import CompileCache, CorruptEntryError, pack_envelope, read_envelope, write_atomically
 from kiln.compile.artifacts.cache_key import device_name, triton_version
+from kiln.compile.artifacts.trust import key_id, signature, signature_problem, untrusted_message
 
 MAGIC = b"KILN-COMPILE-ARTIFACTS\n"
 FORMAT_VERSION = 1
@@ -38,6 +42,8 @@ INDUCTOR_PREFIX = "inductor/"
 # Files of a region folder that are someone's work in progress or private to a compile, never needed to load.
 SKIPPED_SUFFIXES = (".lock", ".tmp")
 SKIPPED_PARTS = (".aotautograd",)
+# Header fields the envelope and the signature add (`seal`).
+ENVELOPE_FIELDS = ("payload_sha256", "payload_bytes", "signed_by", "signature")
 PROBE_SOURCE_MAX_BYTES = 4096  # Inductor's CPU probe sources are 150-460 bytes (torch 2.13)
 
 
@@ -49,6 +55,17 @@ class InstallResult:
     installed: int = 0
     present: int = 0
     message: str | None = None
+    untrusted: bool = False  # nothing installed because nobody vouched for the bytes (trust.py)
+
+
+@dataclass(frozen=True)
+class Vouch:
+    """The job's main process's verdict on a checkpoint's bundle: the sha256 of the file's bytes it checked
+    and vouches for, or (`sha256` None) the message saying why it does not."""
+
+    sha256: str | None
+    problem: str | None = None
+    untrusted: bool = False  # the problem is who wrote it (no valid signature), not a damaged file
 
 
 def machine_key(device: torch.device | str) -> dict[str, str]:
@@ -160,16 +177,19 @@ def cpu_probe_builds(inductor_dir: Path) -> list[Path]:
     return sorted(builds)
 
 
-def write_bundle(path: Path, files: dict[str, Path], keys: list[str], device: torch.device | str) -> int:
-    """Pack `files` (name in the bundle -> file) into `path` with the job keys and this machine's key;
-    the bundle's size in bytes."""
-    data = pack_bundle(files, keys, device)
+def write_bundle(path: Path, files: dict[str, Path], keys: list[str], device: torch.device | str,
+                 signing_key: bytes | None = None) -> int:
+    """Pack `files` (name in the bundle -> file) into `path` with the job keys and this machine's key,
+    signed with `signing_key` when given; the bundle's size in bytes."""
+    data = pack_bundle(files, keys, device, signing_key)
     write_atomically(path, data)
     return len(data)
 
 
-def pack_bundle(files: dict[str, Path], keys: list[str], device: torch.device | str) -> bytes:
-    """A bundle's bytes (what `write_bundle` writes; sharing.py sends them to other machines)."""
+def pack_bundle(files: dict[str, Path], keys: list[str], device: torch.device | str,
+                signing_key: bytes | None = None) -> bytes:
+    """A bundle's bytes (what `write_bundle` writes; sharing.py sends them, unsigned, to the job's other
+    machines over its process group)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w:gz", compresslevel=6) as tar:
         for name, source in sorted(files.items()):
@@ -180,13 +200,41 @@ def pack_bundle(files: dict[str, Path], keys: list[str], device: torch.device | 
             tar.addfile(info, io.BytesIO(data))
     header = {"format": FORMAT_VERSION, "keys": sorted(set(keys)), "machine": machine_key(device),
               "files": len(files)}
-    return pack_envelope(MAGIC, header, buffer.getvalue())
+    return seal(header, buffer.getvalue(), signing_key)
 
 
-def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str) -> InstallResult:
-    """Install a bundle's files into `cache`'s folders where they are missing, if it was built for this
-    machine. Never raises for a bad bundle: a damaged file or another torch or machine gives `message`
-    and nothing installed.
+def seal(header: dict[str, Any], payload: bytes, signing_key: bytes | None) -> bytes:
+    """A bundle file's bytes from its header and payload: the envelope's checksum, and the signature
+    under `signing_key` when given (a header's old checksum and signature are dropped first)."""
+    header = {k: v for k, v in header.items() if k not in ENVELOPE_FIELDS}
+    if signing_key is not None:  # the signature covers the header as pack_envelope completes it
+        header.update(payload_sha256=hashlib.sha256(payload).hexdigest(), payload_bytes=len(payload),
+                      signed_by=key_id(signing_key))
+        header["signature"] = signature(signing_key, header, payload)
+    return pack_envelope(MAGIC, header, payload)
+
+
+def vouch_for(path: Path, signing_key: bytes | None, trust_all: bool = False) -> Vouch:
+    """Whether the job may install the bundle at `path`: its signature is valid under `signing_key`, or
+    the user said to trust it (`trust_all`). Called by the job's main process only; never raises."""
+    try:
+        data = path.read_bytes()
+        header, payload = read_envelope(data, MAGIC, FORMAT_VERSION, "Kiln compile-artifacts bundle",
+                                        ("keys", "machine"))
+    except (CorruptEntryError, OSError) as exc:
+        return Vouch(None, f"compile artifacts {path} not used: {exc}; the first step compiles cold")
+    problem = None if trust_all else signature_problem(header, payload, signing_key)
+    if problem is not None:
+        return Vouch(None, untrusted_message(str(path), problem), untrusted=True)
+    return Vouch(hashlib.sha256(data).hexdigest())
+
+
+def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: torch.device | str,
+                   vouched: Vouch) -> InstallResult:
+    """Install a bundle's files into `cache`'s folders where they are missing, if the job's main process
+    vouched for these very bytes (`vouch_for`) and it was built for this machine. Never raises for a bad
+    bundle: an untrusted or damaged file, or another torch or machine, gives `message` and nothing
+    installed.
 
     A bundle of another job key (when `keys` are known and none is the bundle's) is installed too:
     `load_state` checks the model's names and shapes before this, so it is this model compiled under
@@ -199,12 +247,19 @@ def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: tor
         data = path.read_bytes()
     except OSError as exc:
         return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
-    return install_packed(data, str(path), cache, keys, device)
+    return install_packed(data, str(path), cache, keys, device, vouched)
 
 
 def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
-                   device: torch.device | str) -> InstallResult:
-    """`install_bundle` for a bundle's bytes; `path` names where they came from in messages."""
+                   device: torch.device | str, vouched: Vouch | None) -> InstallResult:
+    """`install_bundle` for a bundle's bytes; `path` names where they came from in messages. `vouched`
+    None: the bytes came from the job's own processes (sharing.py), which need no signature."""
+    if vouched is not None and vouched.sha256 is None:
+        return InstallResult(message=vouched.problem, untrusted=vouched.untrusted)
+    if vouched is not None and hashlib.sha256(data).hexdigest() != vouched.sha256:
+        return InstallResult(message=untrusted_message(path, "it is not the file the job's main process checked "
+                                                             "(it changed since, or this machine sees another "
+                                                             "file under its name)"), untrusted=True)
     try:
         header, payload = read_envelope(data, MAGIC, FORMAT_VERSION,
                                         "Kiln compile-artifacts bundle", ("keys", "machine"))

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kiln.compile.artifacts.cache_key import canonical_json, job_key, triton_version
+from kiln.compile.artifacts.trust import KilnTrustWarning, folder_problem, make_private_folder
 from kiln.plugins import parse_bool
 
 MAGIC = b"KILN-COMPILE-CACHE\n"
@@ -146,21 +147,40 @@ class CompileCache:
     def activate(self) -> None:
         """Point Inductor's disk cache at `<directory>/inductor`, unless the user chose a folder.
 
-        Idempotent; does nothing when disabled. Call before the first compile of the process.
+        Kiln's folders are made owner-only; one that another user owns or can write to (Kiln's, or the
+        user's Inductor folder) disables the cache with one KilnTrustWarning: compiled code is loaded
+        from there. Idempotent; does nothing when disabled. Call before the first compile of the process.
         """
         global _kiln_inductor_dir
         if not self.enabled:
             return
         current = os.environ.get(INDUCTOR_ENV)
-        if current and not _set_by_kiln_or_torch(current, self.inductor_dir):
+        users = bool(current) and not _set_by_kiln_or_torch(current, self.inductor_dir)
+        inductor = Path(current) if users else self.inductor_dir
+        # Compiled code is loaded from these folders: each is refused where another user could write into
+        # it, and checked before Kiln makes anything inside it.
+        for folder, what, make in ((self.directory, "the Kiln cache folder", True),
+                                   (inductor, f"the Inductor folder {INDUCTOR_ENV} names" if users
+                                    else "Kiln's Inductor folder", not users)):
+            try:
+                if make:
+                    make_private_folder(folder)
+            except OSError as exc:
+                warnings.warn(f"compile cache disabled: cannot create {folder} ({exc}); "
+                              f"set {ENV_DIR} to a writable folder", KilnCacheWarning, stacklevel=2)
+                self.enabled = False
+                return
+            problem = folder_problem(folder)
+            if problem is not None:
+                still = f" (Inductor itself still uses it, as {INDUCTOR_ENV} asks)" if not make and users else ""
+                warnings.warn(f"compile cache disabled: {what} {folder} is refused because {problem}. Kiln loads "
+                              f"and installs no compiled code there{still} and compiles cold; make it yours alone "
+                              f"(chmod go-w {folder}) or set {ENV_DIR} to a folder of your own", KilnTrustWarning,
+                              stacklevel=2)
+                self.enabled = False
+                return
+        if users:
             self.inductor_dir_source = "user"
-            return
-        try:
-            self.inductor_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            warnings.warn(f"compile cache disabled: cannot create {self.inductor_dir} ({exc}); "
-                          f"set {ENV_DIR} to a writable folder", KilnCacheWarning, stacklevel=2)
-            self.enabled = False
             return
         os.environ[INDUCTOR_ENV] = _kiln_inductor_dir = str(self.inductor_dir)
         self.inductor_dir_source = "kiln"

@@ -7,6 +7,7 @@ logic is under test, and one test (marked inductor) does a real warm start in a 
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -413,7 +414,10 @@ def test_activate_keeps_users_inductor_folder(tmp_path, monkeypatch):
     cache.activate()
     assert os.environ[INDUCTOR_ENV] == str(tmp_path / "mine")
     assert cache.inductor_dir_source == "user" and cache.inductor_dir_in_use == tmp_path / "mine"
-    assert not (tmp_path / "kiln").exists()
+    # Kiln's own folder is made owner-only up front (its entries are code it loads), but no Inductor
+    # folder of Kiln's inside it.
+    assert stat.S_IMODE((tmp_path / "kiln").stat().st_mode) == 0o700
+    assert not (tmp_path / "kiln" / "inductor").exists()
 
 
 def test_activate_replaces_the_default_torch_wrote_back(tmp_path, monkeypatch):
