@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from kiln.compile import isa_probe
+from kiln.compile.artifacts import manifest
 from kiln.compile.artifacts.bundle import Vouch, bundle_keys, install_bundle, job_files, vouch_for, write_bundle
 from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
 from kiln.compile.artifacts.compile_pool import free_cores
@@ -75,6 +76,12 @@ class CompileSession:
             warnings.warn("precompile=True, but the compile cache is off (KILN_COMPILE_CACHE=0 or an "
                           "unusable folder), so nothing is precompiled", KilnCompileWarning, stacklevel=4)
         in_helpers, backend = plugin.compile_in_background, kwargs.get("backend", "inductor")
+        key = None
+        if self.cache is not None:
+            settings = {**kwargs, **context, "regional": plugin.use_regional_compilation}
+            key = self.cache.key(model, settings, device)
+            if self.is_local_main:  # before anything of this job is compiled or loaded, the CPU probe's too
+                self._check_recorded_files(key)
         if plugin.use_regional_compilation:
             compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
                             recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
@@ -93,13 +100,22 @@ class CompileSession:
                 if region.precompile_off:
                     warnings.warn(f"precompile=True, but region {region.name} cannot be precompiled: "
                                   f"{region.precompile_off}; it is JIT-compiled", KilnCompileWarning, stacklevel=4)
-        if self.cache is not None:
-            settings = {**kwargs, **context, "regional": plugin.use_regional_compilation}
-            key = self.cache.key(model, settings, device)
+        if key is not None:
             if self.cache.load(key):  # before the first compiled call
                 self._loaded_keys.add(key)
             self._cache_keys.append(key)
             PROGRESS.follow(key, [r.name for r in compiled_regions(model)], self.cache.read_record(key))
+
+    def _check_recorded_files(self, key: str) -> None:
+        """Move aside the job's Inductor files whose bytes differ from what an earlier run recorded
+        (manifest.py): torch would load them as they are."""
+        moved = manifest.check(self.cache, key)
+        if moved:
+            shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+            warnings.warn(f"compile cache: {len(moved)} file(s) of this job's compiled code changed since Kiln recorded "
+                          f"them (damaged, or replaced: {shown}); moved aside to "
+                          f"{self.cache.directory / manifest.QUARANTINE_DIR} unloaded, and compiled again",
+                          KilnCacheWarning, stacklevel=5)  # the user's prepare()
 
     def _compile_here(self, model: nn.Module) -> bool:
         """parallel_compile where nothing would compile side by side, while training waits for the
@@ -247,6 +263,12 @@ class CompileSession:
             for key in self._cache_keys:
                 self.cache.save(key)
             self._graphs_saved = graphs
+        if self.cache.is_writer:  # the files the next run checks before loading them (manifest.py)
+            try:
+                manifest.record(self.cache, self._cache_keys)
+            except OSError as exc:
+                warnings.warn(f"compile cache: the record of this job's compiled files not written ({exc}); the "
+                              "next run loads them unchecked", KilnCacheWarning, stacklevel=3)
 
     # ----- compile artifacts in checkpoints (kiln.checkpoint.api) -------------------------------
     def save_artifacts(self, path: Path) -> tuple[int, int]:

@@ -278,7 +278,7 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
                           "compile settings, another strategy, number of processes or precision): installed, so "
                           "what the two jobs compile alike is reused; the rest compiles cold")
     for name, data in members:
-        target = _destination(name, cache)
+        target = destination(name, cache)
         if target.exists():
             result.present += 1
             continue
@@ -323,7 +323,8 @@ def read_members(payload: bytes) -> list[tuple[str, bytes]]:
     return members
 
 
-def _destination(name: str, cache: CompileCache) -> Path:
+def destination(name: str, cache: CompileCache) -> Path:
+    """Where a file named as in a bundle lies in `cache`'s folders."""
     if name.startswith(INDUCTOR_PREFIX):
         return cache.inductor_dir_in_use / name[len(INDUCTOR_PREFIX):]
     return cache.directory / name[len(KILN_PREFIX):]

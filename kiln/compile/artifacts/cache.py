@@ -116,6 +116,9 @@ class CompileCache:
         self.stats = CacheStats()
         self.inductor_dir_source: str | None = None  # "kiln" or "user" once activated
         self._descriptions: dict[str, str] = {}  # key -> the line `kiln cache ls` shows
+        # torch's cache keys of the artifacts this process saved or loaded, by kind ("inductor",
+        # "aot_autograd", ...): which of Inductor's cache entries the job's compiled code came from.
+        self.artifact_keys: dict[str, set[str]] = {}
 
     def __repr__(self) -> str:
         return (f"CompileCache(directory={str(self.directory)!r}, enabled={self.enabled}, "
@@ -228,6 +231,7 @@ class CompileCache:
                                         f"{type(exc).__name__}: {exc}") from None
             if info is None:
                 raise CorruptEntryError("torch.compiler.load_cache_artifacts could not read the artifacts")
+            self._note_artifacts(getattr(info, "artifacts", None))
         except FileNotFoundError:
             self.stats.misses += 1
             return False
@@ -257,6 +261,7 @@ class CompileCache:
             return False
         path = self.entry_path(key)
         artifacts = dict(getattr(info, "artifacts", None) or {})
+        self._note_artifacts(artifacts)
         payload_digest = hashlib.sha256(payload).hexdigest()
         # A warm run re-records what it loaded, in another order (torch 2.13), so the payload bytes
         # differ while the artifacts are the same: compare the artifacts' cache keys, not the bytes.
@@ -276,6 +281,10 @@ class CompileCache:
             return False
         self.stats.saves += 1
         return True
+
+    def _note_artifacts(self, artifacts: dict[str, list[str]] | None) -> None:
+        for kind, keys in (artifacts or {}).items():
+            self.artifact_keys.setdefault(str(kind), set()).update(str(k) for k in keys)
 
     # ----- compile records: what the last compile of a job took, for the live line's estimate ----
     def read_record(self, key: str) -> dict[str, Any] | None:
@@ -339,6 +348,8 @@ class CompileCache:
         shutil.rmtree(self.inductor_dir, ignore_errors=True)
         shutil.rmtree(self.precompiled_dir, ignore_errors=True)
         shutil.rmtree(self.progress_dir, ignore_errors=True)
+        shutil.rmtree(self.directory / "manifests", ignore_errors=True)  # manifest.py's records
+        shutil.rmtree(self.directory / "quarantine", ignore_errors=True)  # and the files it moved aside
         return removed
 
     def _entry_files(self) -> Iterator[Path]:
