@@ -12,7 +12,6 @@ Accelerate's names (accelerate/checkpointing.py; index 0 has no suffix, custom o
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
 import re
@@ -22,8 +21,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from kiln.checkpoint.safe_load import load_any_object, load_rng_file, load_state_file
 from kiln.checkpoint.integrity import CheckpointCorruptError, check_weights, read, shapes_of
-from kiln.checkpoint.training_state import (LoadReport, _rng_for, _set_rng_state, _torch_load, read_optimizer,
+from kiln.checkpoint.training_state import (LoadReport, _rng_for, _set_rng_state, read_optimizer,
                                             whole_checkpoint_loads)
 from kiln.checkpoint.weights import clean_key
 from kiln.data import KilnResumeWarning
@@ -163,15 +163,15 @@ def load_accelerate_folder(folder: Path, *, models: list, strategy: Strategy, op
         return weights
 
     loads = whole_checkpoint_loads(models, optimizers, strategy, weights_for, strict,
-                                   lambda i, opt: read_optimizer(folder / found["optimizer"][i], opt, _safe_load))
+                                   lambda i, opt: read_optimizer(folder / found["optimizer"][i], opt, load_state_file))
     for i, scheduler in enumerate(schedulers):
-        loads.append(functools.partial(scheduler.load_state_dict, read(folder / found["scheduler"][i], _safe_load)))
+        loads.append(functools.partial(scheduler.load_state_dict, read(folder / found["scheduler"][i], load_state_file)))
     for i, obj in enumerate(custom):  # arbitrary objects: Accelerate reads these with weights_only=False too
-        loads.append(functools.partial(obj.load_state_dict, read(folder / found["custom"][i], _torch_load)))
+        loads.append(functools.partial(obj.load_state_dict, read(folder / found["custom"][i], load_any_object)))
     if scaler is not None:
         if not (folder / SCALER).is_file():
             raise FileNotFoundError(f"Accelerate checkpoint {folder} has no {SCALER}, but this run uses fp16 scaling")
-        loads.append(functools.partial(scaler.load_state_dict, read(folder / SCALER, _safe_load)))
+        loads.append(functools.partial(scaler.load_state_dict, read(folder / SCALER, load_state_file)))
     elif (folder / SCALER).is_file():
         report.notes.append(f"{SCALER} not loaded: this run does not scale fp16 losses")
     for i, loader in enumerate(dataloaders):
@@ -263,26 +263,10 @@ def _tied_names(state_dict: dict[str, Any]) -> dict[str, str]:
     return tied
 
 
-def _safe_load(path: Path) -> Any:
-    """Tensors and plain containers only, as Accelerate itself reads these files (weights_only=True)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
-
-
 def read_accelerate_rng(path: Path) -> dict[str, Any]:
     """An Accelerate `random_states_{process}.pkl` (a torch.save of python, numpy, torch and accelerator
-    RNG states) as the states Kiln restores. numpy's state holds an array, which weights_only reading
-    allows only with numpy's reconstruction functions named, as Accelerate names them."""
-    import numpy
-
-    allowed = [numpy.ndarray, numpy.dtype, codecs.encode, getattr(numpy, "_core", numpy).multiarray._reconstruct]
-    if hasattr(numpy, "dtypes"):
-        allowed.append(numpy.dtypes.UInt32DType)
-
-    def load(file: Path) -> dict[str, Any]:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(file, map_location="cpu", weights_only=True)
-
-    saved = read(path, load)
+    RNG states) as the states Kiln restores, read with weights-only reading (safe_load.py)."""
+    saved = read(path, load_rng_file)
     state = {"python": saved["random_state"], "torch": saved["torch_manual_seed"]}
     if "numpy_random_seed" in saved:
         state["numpy"] = saved["numpy_random_seed"]
@@ -311,7 +295,7 @@ def _dataloader_position(folder: Path, sampler_file: str | None, state_file: str
             report.data.append(f"{index}: {sampler_file}'s shuffle seed not used: this run's loader shuffles with "
                                "its own generator (or does not shuffle)")
     if state_file is not None:
-        state = read(folder / state_file, _safe_load)
+        state = read(folder / state_file, load_state_file)
         used = 0 if state.get("_iterator_finished") else int(state.get("_num_yielded") or 0)
         if loader.stateful:
             position["batches_yielded"] = used

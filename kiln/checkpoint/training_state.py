@@ -2,7 +2,7 @@
 dataloader positions and registered objects, written so that a crash never leaves a checkpoint
 that loads.
 
-Depends on torch, kiln.checkpoint's weights, integrity and sharded modules and the strategy
+Depends on torch, kiln.checkpoint's weights, integrity, safe_load and sharded modules and the strategy
 interface only; never on the facade.
 
 Layout of a checkpoint folder (each process writes its own RNG file; the main process the rest):
@@ -19,7 +19,6 @@ import functools
 import hashlib
 import json
 import os
-import pickle
 import random
 import shutil
 import time
@@ -30,6 +29,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from kiln.checkpoint.safe_load import load_any_object, load_rng_file, load_state_file
 from kiln.checkpoint.integrity import check_optimizer, check_sizes, check_weights, file_sizes, read, shapes_of
 from kiln.checkpoint.sharded import saved_weight_shapes
 from kiln.checkpoint.weights import clean_state_dict, load_state_dict, save_state_dict
@@ -116,8 +116,9 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
             files.append(f"dataloader_{i}.json")
     # The RNG states last, as the run goes on from here: a save hook may draw random numbers (diffusers'
     # EMAModel.save_pretrained builds a UNet), and a resumed run must draw what the unbroken run draws.
-    with open(staging / f"random_states_{process_index}.pkl", "wb") as handle:
-        pickle.dump(_rng_state(), handle)
+    # torch.save's format, read back with weights-only reading (safe_load.py); the name is the one earlier
+    # Kiln versions wrote with pickle.dump, which safe_load still reads.
+    torch.save(_rng_state(), staging / f"random_states_{process_index}.pkl")
     barrier()  # every process's RNG file is on disk before the manifest says so
     if is_main_process:
         manifest = {"format": FORMAT_VERSION, "created": time.time(), "num_processes": num_processes,
@@ -228,14 +229,17 @@ def load_training_state(input_dir: str | os.PathLike, *, models: list, strategy:
             return weights
 
         loads += whole_checkpoint_loads(models, optimizers, strategy, weights_for, strict,
-                                        lambda i, opt: read_optimizer(folder / f"optimizer_{i}.bin", opt, _torch_load))
-    for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
+                                        lambda i, opt: read_optimizer(folder / f"optimizer_{i}.bin", opt,
+                                                                      load_state_file))
+    # Tensors and plain containers only, but a registered object's state, which may hold anything
+    # (docs/checkpoints.md#trust).
+    for prefix, objects, reader in (("scheduler", schedulers, load_state_file), ("custom", custom, load_any_object)):
         for i, obj in enumerate(objects):
-            loads.append(functools.partial(obj.load_state_dict, read(folder / f"{prefix}_{i}.bin", _torch_load)))
+            loads.append(functools.partial(obj.load_state_dict, read(folder / f"{prefix}_{i}.bin", reader)))
     if scaler is not None:
         if not (folder / "scaler.bin").is_file():
             raise FileNotFoundError(f"checkpoint {folder} has no scaler.bin, but this run uses fp16 scaling")
-        loads.append(functools.partial(scaler.load_state_dict, read(folder / "scaler.bin", _torch_load)))
+        loads.append(functools.partial(scaler.load_state_dict, read(folder / "scaler.bin", load_state_file)))
     for i, loader in enumerate(dataloaders):
         position = read(folder / f"dataloader_{i}.json", lambda path: json.loads(path.read_text()))
         loads.append(functools.partial(loader.load_state_dict, position))
@@ -299,10 +303,6 @@ def _check_scheduler_pace(manifest: dict, schedulers: list, process_index: int) 
                           KilnResumeWarning, stacklevel=4)
 
 
-def _torch_load(path: Path) -> Any:
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 def whole_checkpoint_loads(models: list, optimizers: list, strategy: Strategy,
                            weights_for: Callable[[int, Any], dict[str, Any]], strict: bool,
                            optimizer_state_for: Callable[[int, Any], dict[str, Any]]) -> list[Callable[[], None]]:
@@ -337,19 +337,14 @@ def _rng_for(folder: Path, process_index: int, saved_processes: int,
              reader: Callable[[Path], dict[str, Any]] | None = None) -> dict[str, Any]:
     """This process's saved RNG states; for a process index the save did not have, states seeded
     from process 0's and the index, the same in every run resumed from this checkpoint. `reader`
-    turns a `random_states_{i}.pkl` into Kiln's states (default: Kiln's own pickle)."""
+    turns a `random_states_{i}.pkl` into Kiln's states (default: Kiln's own file, safe_load.py)."""
     if reader is None:
-        reader = functools.partial(read, reader=_unpickle)
+        reader = functools.partial(read, reader=load_rng_file)
     if process_index < saved_processes:
         return reader(folder / f"random_states_{process_index}.pkl")
     base = reader(folder / "random_states_0.pkl")
     digest = hashlib.sha256(base["torch"].numpy().tobytes() + process_index.to_bytes(8, "little")).digest()
     return _seeded_rng_state(int.from_bytes(digest[:8], "little"), base)
-
-
-def _unpickle(path: Path) -> Any:
-    with open(path, "rb") as handle:
-        return pickle.load(handle)
 
 
 def _seeded_rng_state(seed: int, like: dict[str, Any]) -> dict[str, Any]:

@@ -1,17 +1,20 @@
-"""`kiln cache ls` and `kiln cache clear`: look at and empty the warm-start compile cache.
+"""`kiln cache ls`, `kiln cache clear` and `kiln cache key`: look at and empty the warm-start compile cache,
+and print the key that signs its compiled code in checkpoints.
 
-Depends on kiln.compile.artifacts.cache only; never on the facade.
+Depends on kiln.compile.artifacts.cache and trust only; never on the facade.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from kiln.compile.artifacts.cache import ENV_DIR, ENV_ENABLED, INDUCTOR_ENV, CacheEntryInfo, CompileCache
+from kiln.compile.artifacts.trust import ENV_KEY, KEY_FILE, key_id, signing_key
 
 
 def add_parser(commands: Any) -> None:
@@ -20,7 +23,9 @@ def add_parser(commands: Any) -> None:
                                  description="The compile cache that lets a second run skip the cold compile.")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     for name, run, help_text in (("ls", run_ls, "list entries, sizes, ages and descriptions"),
-                                 ("clear", run_clear, "remove every entry and Kiln's Inductor folder")):
+                                 ("clear", run_clear, "remove every entry and Kiln's Inductor folder"),
+                                 ("key", run_key, f"print the key that signs checkpoints' compiled code (made if "
+                                                  f"missing), to give other machines as {ENV_KEY}")):
         action = actions.add_parser(name, help=help_text, description=help_text)
         action.add_argument("--dir", type=Path, default=None,
                             help=f"cache folder (default: ${ENV_DIR}, else ~/.cache/kiln/compile)")
@@ -53,6 +58,24 @@ def run_clear(args: argparse.Namespace) -> int:
           f"from {cache.directory}")
     if had_inductor:
         print(f"removed Kiln's Inductor folder {cache.inductor_dir} ({human_size(inductor_bytes)})")
+    return 0
+
+
+def run_key(args: argparse.Namespace) -> int:
+    """The signing key on stdout alone (for `export KILN_COMPILE_SIGNING_KEY=$(kiln cache key)`), where it
+    comes from on stderr."""
+    cache = open_cache(args)
+    try:
+        key = signing_key(cache.directory, create=True)
+    except ValueError as exc:  # a KILN_COMPILE_SIGNING_KEY too short to use
+        raise SystemExit(f"kiln cache: {exc}") from None
+    if key is None:
+        raise SystemExit(f"kiln cache: the key file {cache.directory / KEY_FILE} is not private to you (see the "
+                         "warning above); fix its permissions or set " + ENV_KEY)
+    where = f"${ENV_KEY}" if os.environ.get(ENV_KEY) else str(cache.directory / KEY_FILE)
+    print(key.decode())
+    print(f"(from {where}; key id {key_id(key)}. Give it to the machines that resume this job's checkpoints as "
+          f"{ENV_KEY}, like any other secret.)", file=sys.stderr)
     return 0
 
 

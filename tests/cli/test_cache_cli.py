@@ -100,3 +100,26 @@ def test_python_dash_m_kiln_lists_the_cache(filled_cache, tmp_path):
                           env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert str(filled_cache) in proc.stdout and "EncoderDecoder" in proc.stdout
+
+
+def test_key_prints_the_folders_signing_key_made_owner_only_and_the_environments_first(tmp_path, monkeypatch, capsys):
+    import stat
+
+    from kiln.compile.artifacts.trust import ENV_KEY, KEY_FILE, key_id
+
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    assert main(["cache", "key", "--dir", str(tmp_path / "cache")]) == 0
+    out, err = capsys.readouterr()
+    key_file = tmp_path / "cache" / KEY_FILE
+    assert out == key_file.read_text() and stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert f"key id {key_id(out.strip().encode())}" in err and str(key_file) in err
+    assert main(["cache", "key", "--dir", str(tmp_path / "cache")]) == 0
+    assert capsys.readouterr().out == out  # made once
+
+    monkeypatch.setenv(ENV_KEY, "t" * 40)
+    assert main(["cache", "key", "--dir", str(tmp_path / "cache")]) == 0
+    out, err = capsys.readouterr()
+    assert out == "t" * 40 + "\n" and f"${ENV_KEY}" in err
+    monkeypatch.setenv(ENV_KEY, "short")
+    with pytest.raises(SystemExit, match="KILN_COMPILE_SIGNING_KEY holds 5 characters"):
+        main(["cache", "key", "--dir", str(tmp_path / "cache")])
