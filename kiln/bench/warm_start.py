@@ -98,13 +98,15 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     cache.activate()
     start = time.perf_counter()
     key = cache.key(model, {"backend": row["backend"]}, torch.device(row["device"]))
-    installed = None
+    installed, verify_s = None, 0.0
     if row["variant"] in RESUME_VARIANTS:  # what load_state does before the first step
         # The saving job's key, as a fresh machine gets it: in the environment (docs/checkpoints.md#trust).
         os.environ[ENV_KEY] = (checkpoint_folder(cache.directory) / KEY_FILE).read_text().strip()
         bundle = checkpoint_folder(cache.directory) / BUNDLE
-        installed = install_bundle(bundle, cache, [key], row["device"],
-                                   vouch_for(bundle, signing_key(cache.directory)))
+        verify_start = time.perf_counter()
+        vouched = vouch_for(bundle, signing_key(cache.directory))  # the signature check (trust.py)
+        verify_s = time.perf_counter() - verify_start
+        installed = install_bundle(bundle, cache, [key], row["device"], vouched)
         if installed.message is not None:
             return dict(row, error=installed.message)
     hit = cache.load(key)
@@ -159,6 +161,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         cache_stats=cache.stats.as_dict(), peak_mib=round(peak_memory_mib(cuda), 1), torch=torch.__version__,
         threads=torch.get_num_threads(), bundle_bytes=bundle_bytes,
         installed_files=installed.installed if installed is not None else None,
+        verify_ms=round(verify_s * 1e3, 2) if installed is not None else None,
     )
     for name in COUNT_FIELDS:
         result[name] = sum(getattr(m, name, None) or 0 for m in metrics)
