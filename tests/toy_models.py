@@ -57,6 +57,31 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, ac
     return loss.item()
 
 
+def llama_run_with_checkpoint(accelerator, checkpoint, mode: str, steps: int = 4, saved_at: int = 2,
+                              **load_kwargs) -> list[float]:
+    """A 2-layer `tiny_llama` prepared with SGD and trained on seeded batches; its losses. 'save': steps
+    0..steps-1 with `save_state(checkpoint)` after `saved_at` steps; 'resume': `load_state(checkpoint,
+    **load_kwargs)`, then steps saved_at..steps-1; anything else: steps 0..steps-1."""
+    torch.manual_seed(0)
+    model = tiny_llama(2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    start = 0
+    if mode == "resume":
+        accelerator.load_state(checkpoint, **load_kwargs)
+        start = saved_at
+    losses = []
+    for step in range(start, steps):
+        ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if mode == "save" and step == saved_at - 1:
+            accelerator.save_state(checkpoint)
+    return losses
+
+
 class BreakingEncoderBlock(EncoderBlock):
     """An encoder block whose forward has a graph break (as a print or a `.item()` makes one)."""
 

@@ -263,7 +263,7 @@ class CompileSession:
             for key in self._cache_keys:
                 self.cache.save(key)
             self._graphs_saved = graphs
-        if self.cache.is_writer:  # the files the next run checks before loading them (manifest.py)
+        if self.is_local_main:  # each machine's record of its folder, checked at the next start (manifest.py)
             try:
                 manifest.record(self.cache, self._cache_keys)
             except OSError as exc:

@@ -24,7 +24,7 @@ from kiln import Accelerator, TorchDynamoPlugin
 from kiln.checkpoint.integrity import COMPILE_ARTIFACTS
 from kiln.compile.artifacts.cache import INDUCTOR_ENV, KilnCacheWarning, pack_envelope, read_envelope
 from kiln.compile.artifacts.trust import ENV_KEY, KEY_FILE, KilnTrustWarning, key_id
-from toy_models import tiny_llama
+from toy_models import llama_run_with_checkpoint, tiny_llama
 from torch_features import PRECOMPILE_BACKEND
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -42,23 +42,7 @@ def run_job(checkpoint: str, mode: str, **load_kwargs) -> dict:
     plugin = TorchDynamoPlugin(backend=PRECOMPILE_BACKEND, use_regional_compilation=True, precompile=True,
                                fullgraph=True)
     acc = Accelerator(dynamo_plugin=plugin)
-    torch.manual_seed(0)
-    model = tiny_llama(2)
-    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    start = 0
-    if mode == "resume":
-        acc.load_state(checkpoint, **load_kwargs)
-        start = SAVED_AT
-    losses = []
-    for step in range(start, STEPS):
-        ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step))
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        if mode == "save" and step == SAVED_AT - 1:
-            acc.save_state(checkpoint)
+    losses = llama_run_with_checkpoint(acc, checkpoint, mode, STEPS, SAVED_AT, **load_kwargs)
     report = acc.compile_report()
     (region,) = report.regions
     return {"losses": losses, "loaded": region.precompiled_loaded, "compiled": region.precompiled_saved,

@@ -8,9 +8,9 @@ Why before, not after: torch loads a kernel library or a generated module from t
 it is found (torch 2.13: CppCodeCache builds a kernel only when its `.so` is missing, and a cache hit never
 rewrites an existing output `.py`). A replaced library runs its constructor as it loads, a scrambled one
 crashes the process inside dlopen, and a wrong module fails at its first call: nothing that fails later
-can be caught in time. So the job's main process records the digests of the files it used
-(`record`, at the end of warm-up and at save_state), and each local main process checks them as the job
-starts (`check`), before anything compiles or loads. A file whose bytes differ is moved into
+can be caught in time. So each machine's local main process records the digests of the files it used
+(`record`, at the end of warm-up and at save_state), and checks them as the next job starts (`check`),
+before anything compiles or loads. A file whose bytes differ is moved into
 `<Kiln folder>/quarantine/`, and torch, finding nothing there, builds it again. Kiln's own `.kiln` and
 `.kpc` files carry checksums of their own and are checked where they are read.
 """

@@ -42,29 +42,11 @@ __attribute__((constructor)) static void mark(void) {
 def run_job(checkpoint: str, mode: str) -> dict:
     """'save': steps 0..3 with save_state after step 1; 'resume': load_state, then steps 2..3;
     'again': steps 0..3 on whatever the cache folder holds."""
-    import torch
-
     from kiln import Accelerator, TorchDynamoPlugin
-    from toy_models import tiny_llama
+    from toy_models import llama_run_with_checkpoint
 
     acc = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="inductor", use_regional_compilation=True))
-    torch.manual_seed(0)
-    model = tiny_llama(2)
-    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    start = 0
-    if mode == "resume":
-        acc.load_state(checkpoint)
-        start = SAVED_AT
-    losses = []
-    for step in range(start, STEPS):
-        ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step))
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        acc.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        if mode == "save" and step == SAVED_AT - 1:
-            acc.save_state(checkpoint)
+    losses = llama_run_with_checkpoint(acc, checkpoint, mode, STEPS, SAVED_AT)
     (region,) = acc.compile_report().regions
     return {"losses": losses, "compiled_calls": region.compiled_calls, "eager_calls": region.eager_calls}
 
