@@ -111,3 +111,14 @@ def test_checking_a_signature_costs_little_beside_reading_the_bundle(tmp_path):
     seconds = time.perf_counter() - start
     print(f"vouch_for on a {target.stat().st_size / 1e6:.1f} MB bundle: {seconds * 1e3:.1f} ms")
     assert vouched.sha256 is not None and seconds < 1.0
+
+
+def test_clearing_the_cache_keeps_the_signing_key(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    cache = CompileCache(tmp_path / "kiln")
+    key = signing_key(cache.directory, create=True)
+    (cache.directory / "manifests").mkdir()
+    (cache.directory / "quarantine").mkdir()
+    cache.clear()
+    assert signing_key(cache.directory) == key
+    assert not (cache.directory / "manifests").exists() and not (cache.directory / "quarantine").exists()
