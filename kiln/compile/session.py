@@ -114,7 +114,7 @@ class CompileSession:
             shown = ", ".join(moved[:3]) + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
             warnings.warn(f"compile cache: {len(moved)} file(s) of this job's compiled code changed since Kiln recorded "
                           f"them (damaged, or replaced: {shown}); moved aside to "
-                          f"{self.cache.directory / manifest.QUARANTINE_DIR} unloaded, and compiled again",
+                          f"{self.cache.quarantine_dir} unloaded, and compiled again",
                           KilnCacheWarning, stacklevel=5)  # the user's prepare()
 
     def _compile_here(self, model: nn.Module) -> bool:

@@ -222,7 +222,7 @@ def vouch_for(path: Path, signing_key: bytes | None, trust_all: bool = False) ->
         header, payload = read_envelope(data, MAGIC, FORMAT_VERSION, "Kiln compile-artifacts bundle",
                                         ("keys", "machine"))
     except (CorruptEntryError, OSError) as exc:
-        return Vouch(None, f"compile artifacts {path} not used: {exc}; the first step compiles cold")
+        return Vouch(None, unreadable_message(path, exc))
     problem = None if trust_all else signature_problem(header, payload, signing_key)
     if problem is not None:
         return Vouch(None, untrusted_message(str(path), problem), untrusted=True)
@@ -246,7 +246,7 @@ def install_bundle(path: Path, cache: CompileCache, keys: list[str], device: tor
     try:
         data = path.read_bytes()
     except OSError as exc:
-        return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
+        return InstallResult(message=unreadable_message(path, exc))
     return install_packed(data, str(path), cache, keys, device, vouched)
 
 
@@ -265,7 +265,7 @@ def install_packed(data: bytes, path: str, cache: CompileCache, keys: list[str],
                                         "Kiln compile-artifacts bundle", ("keys", "machine"))
         members = read_members(payload)
     except (CorruptEntryError, OSError, tarfile.TarError, EOFError, ValueError) as exc:
-        return InstallResult(message=f"compile artifacts {path} not used: {exc}; the first step compiles cold")
+        return InstallResult(message=unreadable_message(path, exc))
     result = InstallResult()
     here = machine_key(device)
     differences = machine_differences(header["machine"], here)
@@ -321,6 +321,11 @@ def read_members(payload: bytes) -> list[tuple[str, bytes]]:
             handle = tar.extractfile(member)
             members.append((member.name, handle.read() if handle is not None else b""))
     return members
+
+
+def unreadable_message(path: Path | str, exc: Exception) -> str:
+    """The one message for a bundle that cannot be read (gone, truncated, not a bundle)."""
+    return f"compile artifacts {path} not used: {exc}; the first step compiles cold"
 
 
 def destination(name: str, cache: CompileCache) -> Path:

@@ -141,6 +141,16 @@ class CompileCache:
         return self.directory / "progress"
 
     @property
+    def manifest_dir(self) -> Path:
+        """Where each job's record of its compiled files lives (kiln/compile/artifacts/manifest.py)."""
+        return self.directory / "manifests"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        """Where compiled files that changed since they were recorded are moved (manifest.py)."""
+        return self.directory / "quarantine"
+
+    @property
     def inductor_dir_in_use(self) -> Path:
         """Where Inductor caches now: the user's TORCHINDUCTOR_CACHE_DIR if set, else Kiln's folder."""
         if self.inductor_dir_source == "user":
@@ -348,8 +358,8 @@ class CompileCache:
         shutil.rmtree(self.inductor_dir, ignore_errors=True)
         shutil.rmtree(self.precompiled_dir, ignore_errors=True)
         shutil.rmtree(self.progress_dir, ignore_errors=True)
-        shutil.rmtree(self.directory / "manifests", ignore_errors=True)  # manifest.py's records
-        shutil.rmtree(self.directory / "quarantine", ignore_errors=True)  # and the files it moved aside
+        shutil.rmtree(self.manifest_dir, ignore_errors=True)
+        shutil.rmtree(self.quarantine_dir, ignore_errors=True)
         return removed
 
     def _entry_files(self) -> Iterator[Path]:

@@ -32,8 +32,6 @@ from kiln.compile.artifacts.cache_key import canonical_json
 # Where Inductor keeps a cache entry of each kind, by its key (FxGraphCache._get_tmp_dir_for_key and
 # AOTAutogradCache._get_tmp_dir_for_key, torch 2.13); the keys are torch.compiler's artifact keys.
 ENTRY_FOLDERS = {"inductor": lambda key: f"fxgraph/{key[1:3]}/{key}", "aot_autograd": lambda key: f"aotautograd/{key}"}
-MANIFEST_DIR = "manifests"
-QUARANTINE_DIR = "quarantine"
 FORMAT_VERSION = 1
 
 
@@ -96,7 +94,7 @@ def check(cache: CompileCache, key: str) -> list[str]:
             continue
         if file_digest(path) == digest:
             continue
-        if quarantine(path, cache.directory / QUARANTINE_DIR / stamp / name):
+        if quarantine(path, cache.quarantine_dir / stamp / name):
             moved.append(name)
     return moved
 
@@ -135,7 +133,7 @@ def file_digest(path: Path) -> str | None:
 
 
 def _path(cache: CompileCache, key: str) -> Path:
-    return cache.directory / MANIFEST_DIR / f"{cache.entry_path(key).stem}.json"
+    return cache.manifest_dir / f"{cache.entry_path(key).stem}.json"
 
 
 def _read(cache: CompileCache, key: str) -> dict[str, str]:
