@@ -14,6 +14,7 @@ around the compiled forward, as FSDP2 and DeepSpeed need).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import types
@@ -402,7 +403,8 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
                     region.invocations += 1
                     return output
         graphs, calls = len(backend.graphs), backend.calls
-        output = compiled(module, *args, **kwargs)
+        with _under_transformers_checkpointing(module):
+            output = compiled(module, *args, **kwargs)
         region.invocations += 1
         if backend.calls == calls:
             region.eager_calls += 1
@@ -428,6 +430,19 @@ class _LazyCompile:
         if self.fn is None:
             self.fn = torch.compile(self.entry, backend=self.backend, **self.kwargs)
         return self.fn(*args, **kwargs)
+
+
+def _under_transformers_checkpointing(module: nn.Module):
+    """Dynamo told to trace, not refuse, Python side effects inside a checkpoint of a transformers
+    layer that checkpoints itself (`GradientCheckpointingLayer`, `gradient_checkpointing` on, in
+    training with grad), and not to replay them in the backward's recompute. With transformers 5.25
+    and kernels 0.19, the kernelized attention sets and resets a context variable (which rotary
+    function runs) inside the layer: torch 2.13 refuses that mutation inside the checkpoint, the
+    whole layer ran eagerly, and nothing in it needs replaying. Other blocks are traced as torch does."""
+    if (getattr(module, "gradient_checkpointing", False) is True and module.training and torch.is_grad_enabled()
+            and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")):
+        return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    return contextlib.nullcontext()
 
 
 def _stance() -> str:

@@ -1,9 +1,9 @@
 """The torch behaviours an ahead-of-time compile of a region has to work around (torch 2.13): a
 shared AOTAutograd cache that answers with another signature's code, FSDP2's run-time classes,
-functions compiled under autocast, saving through a file, and (torch 2.11) an ahead-of-time
-compile that is there but switched off.
+classes defined in local scope, functions compiled under autocast, saving through a file, and
+(torch 2.11) an ahead-of-time compile that is there but switched off.
 
-Depends on torch only.
+Depends on torch and kiln.compile.artifacts.local_classes only.
 """
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kiln.compile.artifacts.local_classes import importable_module_stacks, portable_guards
+
 
 def compile_ahead_of_time(fn: Callable, examples: tuple, **compile_kwargs: Any) -> Any:
-    """`torch.compile(fn, **compile_kwargs).aot_compile(examples)`. torch 2.11 has the ahead-of-time
+    """`torch.compile(fn, **compile_kwargs).aot_compile(examples)`, keeping objects whose class is
+    defined in local scope out of what is saved (local_classes.py). torch 2.11 has the ahead-of-time
     compile but attaches `.aot_compile` to compiled functions only under
     `torch._dynamo.config.enable_aot_compile`, off by default there (on in 2.13): it is switched on
     for this one compile."""
+    options = dict(compile_kwargs.get("options") or {})  # torch.compile pops guard_filter_fn from it
+    options["guard_filter_fn"] = portable_guards(options.get("guard_filter_fn"))
+    compile_kwargs = {**compile_kwargs, "options": options}
+    backend = compile_kwargs.get("backend", "inductor")
+    if isinstance(backend, str) and backend != "inductor":
+        compile_kwargs["backend"] = importable_module_stacks(torch._dynamo.lookup_backend(backend))
     config = torch._dynamo.config
     if getattr(config, "enable_aot_compile", True):
         return torch.compile(fn, **compile_kwargs).aot_compile(examples)

@@ -2,7 +2,8 @@
 signature, saved in Kiln's cache folder, and loaded by later runs without any Dynamo trace.
 
 Depends on torch, kiln.compile.artifacts.cache and the modules it is made of (signatures: what a
-call is; aot_workarounds: torch behaviours worked around; messages; progress: the live compile
+call is; aot_workarounds: torch behaviours worked around; local_classes: a failure explained;
+messages; progress: the live compile
 line); never on the facade, a strategy or kiln.compile.regions (regions.py builds a
 `PrecompiledRegion` and asks it for a function per call).
 
@@ -39,6 +40,7 @@ from kiln.compile.artifacts.artifact_lock import LOCK_SUFFIX, claim, wait_for
 from kiln.compile.artifacts.cache import (CorruptEntryError, KilnCacheWarning, pack_envelope, read_envelope,
                                 write_atomically)
 from kiln.compile.artifacts.cache_key import triton_version
+from kiln.compile.artifacts.local_classes import explain_failure
 from kiln.compile.messages import first_line, guard_reason
 from kiln.compile.progress import PROGRESS
 from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, call_signature, region_key, signature_digest,
@@ -419,11 +421,11 @@ class PrecompiledRegion:
             return None
         except Exception as exc:
             self._failed = True
-            self._note(f"ahead-of-time compile failed ({type(exc).__name__}: {first_line(str(exc))}); "
-                       "the rest of this run takes the JIT path")
-            warnings.warn(f"region {self.name}: ahead-of-time compile failed ({type(exc).__name__}: "
-                          f"{first_line(str(exc))}); it is JIT-compiled instead and nothing is precompiled",
-                          KilnCacheWarning, stacklevel=5)
+            cause, way_out = f"{type(exc).__name__}: {first_line(str(exc))}", explain_failure(exc, module)
+            self._note(f"ahead-of-time compile failed ({cause}); the rest of this run takes the JIT path; "
+                       f"{way_out}")
+            warnings.warn(f"region {self.name}: ahead-of-time compile failed ({cause}); it is JIT-compiled "
+                          f"instead and nothing is precompiled; {way_out}", KilnCacheWarning, stacklevel=5)
             return None
         finally:
             for p, grad in grads:
