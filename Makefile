@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test test-fast test-accelerate-examples test-torch-matrix bench clean
+.PHONY: setup demo test test-fast test-accelerate-examples test-torch-matrix test-latest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,26 @@ test-torch-%: .venv-torch-%/.installed
 
 test-torch-matrix: $(addprefix test-torch-,$(MATRIX_TORCHES))
 
+# What users install (.ci/run, after the pinned suite): the pinned torch and the newest release of each
+# integration library (requirements-latest.txt, upgraded at every run), on the tests that touch them:
+# compile, accelerator, checkpoint, integrations, fp8, DeepSpeed's single-process tests. Real Inductor
+# only in the tests that need it (the kernelized Llama's precompiled regions); no launches (about
+# 7 minutes on 2 cores).
+LATEST_VENV := .venv-latest
+LATEST_TESTS := tests/compile tests/test_accelerator.py tests/test_plugins.py tests/test_accelerate_api.py \
+	tests/checkpoint tests/integrations tests/test_fp8.py tests/parallel/test_deepspeed.py
+LATEST_MARKERS := not multiprocess and not serial and (not inductor or latest)
+
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -r requirements-latest.txt
+	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	@echo "test-latest resolved:"; $(LATEST_VENV)/bin/python -m pip list --format freeze 2>/dev/null | \
+		grep -iE '^(torch|transformers|kernels|accelerate|diffusers|peft|torchao|deepspeed|torchdata|huggingface.hub|safetensors|numpy)=='
+	$(LATEST_VENV)/bin/python -m pytest $(LATEST_TESTS) -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder \
+		-m "$(LATEST_MARKERS)"
+
 # Every benchmark result committed under benchmarks/results (the CPU ones; about 37 minutes on 2 cores).
 bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --out benchmarks/results --name kiln_bench_cpu
@@ -90,4 +110,4 @@ bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --plan diffusion --out benchmarks/results --name kiln_bench_diffusion_cpu
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info
