@@ -38,8 +38,8 @@ WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_get
 PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
 test: $(DEV_STAMP)
-	$(PYTEST_PARALLEL) -m "not serial and not accelerate_examples"
-	$(PY) -m pytest tests -q -m "serial and not accelerate_examples"
+	$(PYTEST_PARALLEL) -m "not serial and not accelerate_examples and not latest"
+	$(PY) -m pytest tests -q -m "serial and not accelerate_examples and not latest"
 
 # The inner loop: no real Inductor compile, no launch (about 2 minutes on 2 cores).
 test-fast: $(DEV_STAMP)
@@ -78,8 +78,9 @@ test-torch-matrix: $(addprefix test-torch-,$(MATRIX_TORCHES))
 # What users install (.ci/run, after the pinned suite): the pinned torch and the newest release of each
 # integration library (requirements-latest.txt, upgraded at every run), on the tests that touch them:
 # compile, accelerator, checkpoint, integrations, fp8, DeepSpeed's single-process tests. Real Inductor
-# only in the tests that need it (the kernelized Llama's precompiled regions); no launches (about
-# 7 minutes on 2 cores).
+# only in the tests marked `latest` (the kernelized Llama's precompiled regions, which make test
+# leaves to this lane; its aot_eager twin runs in make test); no launches (4 minutes on 2 cores, the
+# install included, when nothing new was released).
 LATEST_VENV := .venv-latest
 LATEST_TESTS := tests/compile tests/test_accelerator.py tests/test_plugins.py tests/test_accelerate_api.py \
 	tests/checkpoint tests/integrations tests/test_fp8.py tests/parallel/test_deepspeed.py

@@ -161,7 +161,7 @@ print(json.dumps(dict(loss=loss.item(), eager=eager.item(), funcs=funcs, saved=r
 @pytest.mark.parametrize("backend", [
     PRECOMPILE_BACKEND,
     # torch 2.13 refuses Inductor's save at another step (a type guard) than aot_eager's (the graph's
-    # module stacks): both are kept out of what is saved, and the new releases' lane runs this one.
+    # module stacks): both are kept out of what is saved. make test-latest runs this one (26 s).
     pytest.param("inductor", marks=[pytest.mark.inductor, pytest.mark.latest]),
 ] if PRECOMPILE_BACKEND != "inductor" else ["inductor"])
 def test_transformers_llama_with_kernels_is_precompiled_and_a_fresh_process_loads_it(tmp_path, backend):
