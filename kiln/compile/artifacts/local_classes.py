@@ -110,12 +110,16 @@ def explain_failure(exc: BaseException, module: nn.Module) -> str:
             fix = f"make {cls.__qualname__} picklable, or give it to the block after it is compiled"
         return (f"the object torch could not save is a {cls.__module__}.{cls.__qualname__} at {where}; "
                 f"to precompile this region, {fix}, {way_out}")
-    return f"to precompile this region, remove what the error names from the block, {way_out}"
+    # Nothing in the block is named (a backend whose output this torch cannot save, say): say so
+    # rather than send the user looking in the block.
+    return "the error names nothing Kiln finds in the block; " + way_out.removeprefix("or ")
 
 
 def _find(module: nn.Module, name: str) -> tuple[str | None, type | None]:
     for path, obj in _walk(module):
         cls = obj if isinstance(obj, type) else type(obj)
+        if cls.__module__ == "builtins":  # "<class 'function'>" names a kind of value, not an object
+            continue
         if name in (f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__):
             return path, cls
     return None, None

@@ -207,3 +207,11 @@ def test_a_block_torch_cannot_save_is_jit_compiled_with_a_warning_naming_the_obj
     assert "define Twice at the top level of a module (it is made inside _made_in_a_function)" in text
     assert "precompile=False" in text
     assert region.ran == "jit" and any("block.twice" in note for note in region.precompile_notes)
+
+
+def test_an_error_that_names_nothing_in_the_block_says_so_and_still_gives_the_way_out():
+    from kiln.compile.artifacts.local_classes import explain_failure
+
+    # torch 2.11 with aot_eager: the backend's output cannot be saved, whatever the block holds.
+    text = explain_failure(AssertionError("expected OutputCode, got <class 'function'>"), Block(seed=0))
+    assert text.startswith("the error names nothing Kiln finds in the block") and "precompile=False" in text
