@@ -439,10 +439,16 @@ def _under_transformers_checkpointing(module: nn.Module):
     and kernels 0.19, the kernelized attention sets and resets a context variable (which rotary
     function runs) inside the layer: torch 2.13 refuses that mutation inside the checkpoint, the
     whole layer ran eagerly, and nothing in it needs replaying. Other blocks are traced as torch does."""
-    if (getattr(module, "gradient_checkpointing", False) is True and module.training and torch.is_grad_enabled()
+    # Every JIT call of every region asks: the class attribute first (transformers declares it there,
+    # False), so other blocks pay no failed instance lookup through nn.Module.__getattr__.
+    if (getattr(type(module), "gradient_checkpointing", None) is not None and module.gradient_checkpointing is True
+            and module.training and torch.is_grad_enabled()
             and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")):
         return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
-    return contextlib.nullcontext()
+    return _AS_TORCH_TRACES
+
+
+_AS_TORCH_TRACES = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _stance() -> str:

@@ -21,6 +21,7 @@ importable base class instead.
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -129,9 +130,9 @@ def _walk(root: nn.Module, limit: int = 5000) -> Iterator[tuple[str, Any]]:
     """(path, object) for the block, its submodules and the values in their attributes, breadth
     first, each object once."""
     seen: set[int] = set()
-    queue: list[tuple[str, Any]] = [("", root)]
+    queue: deque[tuple[str, Any]] = deque([("", root)])
     while queue and len(seen) < limit:
-        path, obj = queue.pop(0)
+        path, obj = queue.popleft()
         if id(obj) in seen:
             continue
         seen.add(id(obj))

@@ -3,9 +3,8 @@ signature, saved in Kiln's cache folder, and loaded by later runs without any Dy
 
 Depends on torch, kiln.compile.artifacts.cache and the modules it is made of (signatures: what a
 call is; aot_workarounds: torch behaviours worked around; local_classes: a failure explained;
-messages; progress: the live compile
-line); never on the facade, a strategy or kiln.compile.regions (regions.py builds a
-`PrecompiledRegion` and asks it for a function per call).
+messages; progress: the live compile line); never on the facade, a strategy or
+kiln.compile.regions (regions.py builds a `PrecompiledRegion` and asks it for a function per call).
 
 Facts this rests on (torch 2.13, CPU): `torch.compile(fn, fullgraph=True).aot_compile(((args),
 {kwargs}))` compiles forward and backward in one go; `load_compiled_function` gives it back in a
