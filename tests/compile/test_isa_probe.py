@@ -38,3 +38,28 @@ def test_probe_gives_inductors_own_answers_and_inductor_does_not_ask_again(priva
     serial = run("inductor")
     assert kiln["isas"] == serial["isas"] and kiln["isas"]  # the same instruction sets, found
     assert serial["probes_after"] > 0 and kiln["probes_after"] == 0
+
+
+STARTS = """
+import json, torch
+from torch import nn
+from kiln.compile import isa_probe
+from kiln.compile.regions import compile_full, compile_regions
+
+def blocks(device):
+    return nn.Sequential(*[nn.Linear(4, 4, device=device) for _ in range(2)])
+
+started = []
+for backend, device in (("aot_eager", "cpu"), ("inductor", "meta"), ("inductor", "cpu")):
+    compile_regions(blocks(device), backend=backend)
+    started.append(isa_probe._thread is not None)
+isa_probe.wait()
+print(json.dumps(started))
+"""
+
+
+def test_compile_regions_starts_the_probe_for_a_cpu_model_compiled_with_inductor_only():
+    # Started when compile_regions returns, so the probe runs beside the first step's eager code
+    # instead of one question after another inside the first compiled call.
+    out = subprocess.run([sys.executable, "-c", STARTS], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False, True]
