@@ -45,11 +45,15 @@ test: $(DEV_STAMP)
 test-fast: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial and not accelerate_examples"
 
-# Accelerate's own example scripts, each run with the real Accelerate and on Kiln (1 and 2
-# processes, regional compile): 75 script runs, two at a time, on their own (25 minutes on 2 busy
-# cores: they would not fit make test's time). CI runs it after make test (.ci/run).
+# Whole example scripts in fresh processes: Accelerate's own, each run with the real Accelerate and
+# on Kiln (1 and 2 processes, regional compile: 75 runs), then Kiln's three scripts in the shape of
+# transformers' Accelerate examples (tests/examples/test_accelerate_scripts.py: 9 runs, stopped and
+# resumed), two at a time, on their own (10-15 minutes on idle cores, 25 on busy ones: they would
+# not fit make test's time). CI runs it after make test (.ci/run).
+ACCELERATE_EXAMPLE_TESTS := tests/accelerate_examples tests/examples/test_accelerate_scripts.py
+
 test-accelerate-examples: $(DEV_STAMP)
-	$(PY) -m pytest tests/accelerate_examples -q -p no:xdist -m accelerate_examples
+	$(PY) -m pytest $(ACCELERATE_EXAMPLE_TESTS) -q -p no:xdist -m accelerate_examples
 
 # The torch matrix (.ci/run): the start-up, compile, accelerator and checkpoint tests on the other
 # torch versions Kiln supports, each in a virtual environment of its own. Any torch but the pinned

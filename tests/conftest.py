@@ -21,7 +21,7 @@ if PARALLEL_WORKER:
 
 
 # Rough seconds a test costs on 2 cores, by marker: what orders the modules below.
-COST_MULTIPROCESS, COST_INDUCTOR, COST_OTHER = 20.0, 10.0, 0.5
+COST_MULTIPROCESS, COST_INDUCTOR, COST_SUBPROCESSES, COST_OTHER = 20.0, 10.0, 10.0, 0.5
 
 
 def _cost(item) -> float:
@@ -29,6 +29,8 @@ def _cost(item) -> float:
         return COST_MULTIPROCESS
     if item.get_closest_marker("inductor") is not None:
         return COST_INDUCTOR
+    if item.get_closest_marker("subprocesses") is not None:
+        return COST_SUBPROCESSES
     return COST_OTHER
 
 

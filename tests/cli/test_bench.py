@@ -1,73 +1,20 @@
-"""Tests for `kiln bench` (kiln/cli/bench.py) and the benchmark package behind it (kiln/bench/).
-
-The end-to-end tests run real child processes with backend aot_eager on the tiny model (a few
-seconds a row); the rest check planning, the target ratios and the report on made-up rows.
+"""Tests for `kiln bench` (kiln/cli/bench.py) and the benchmark package behind it (kiln/bench/):
+planning, the target ratios and the report, on made-up rows. The rows that run for real (child
+processes, backend aot_eager, the tiny model: a few seconds a row) are in test_bench_rows.py and
+test_bench_warm_start.py, two modules so that parallel workers can take them side by side.
 """
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 
+from bench_helpers import HAVE_ACCELERATE
 from kiln.bench.plan import PLANS, Row, build_rows
 from kiln.bench.report import combine_repeats, results_table, target_checks, write_results
 from kiln.bench.run import run_rows
 from kiln.cli import main
 
-ROOT = Path(__file__).resolve().parents[2]
-HAVE_ACCELERATE = importlib.util.find_spec("accelerate") is not None
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
-TINY = ["--device", "cpu", "--plan", "tiny", "--backend", "aot_eager", "--steps", "2", "--no-plots"]
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def test_bench_measures_eager_and_regional_and_writes_json_lines_and_table(tmp_path, capsys):
-    status = main(["bench", *TINY, "--methods", "eager,regional", "--workloads", "infer", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    assert "[1/2] eager tiny infer b2 ..." in out and "[2/2] regional tiny infer b2 ..." in out
-    rows = read_jsonl(tmp_path / "kiln_bench_tiny.jsonl")
-    assert [r["method"] for r in rows] == ["eager", "regional"]
-    regional = rows[1]
-    assert "error" not in regional
-    assert regional["kiln_compiled_calls"] > 0 and regional["compiled_frames_per_step"] == 4  # 4 layers
-    assert regional["kiln_regions"] == ["LlamaDecoderLayer"] and regional["kiln_instances"] == 4
-    assert regional["compile_s"] > 0 and regional["steady_ms"] > 0 and regional["peak_mib"] > 0
-    assert rows[0]["compiled_frames_per_step"] == 0
-    table = (tmp_path / "kiln_bench_tiny.md").read_text()
-    assert "| model | workload | batch x seq | method | compile s |" in table
-    assert "| tiny | infer | 2 x 32 | eager |" in table and "| 1.00x |" in table
-    assert out.rstrip().endswith(table.rstrip().splitlines()[-1])  # the table (and targets) print last
-
-
-@pytest.mark.skipif(not HAVE_ACCELERATE, reason="accelerate is not installed")
-def test_bench_runs_accelerate_regional_compile_through_its_accelerator(tmp_path, capsys):
-    status = main(["bench", *TINY, "--methods", "accelerate-regional", "--workloads", "train",
-                   "--out", str(tmp_path)])
-    assert status == 0, capsys.readouterr().out
-    (row,) = read_jsonl(tmp_path / "kiln_bench_tiny.jsonl")
-    assert row["accelerate"] and "error" not in row
-    # Accelerate compiles each layer plus every other leaf (embedding, norm, rotary, head): 8 frames.
-    assert row["compiled_frames_per_step"] >= 4 and row["dynamo_graphs"] >= 1
-
-
-def test_gpu_script_runs_the_tiny_plan_on_cpu_and_writes_under_out(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
-    proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_bench.sh"), *TINY, "--methods", "full", "--workloads", "infer"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (row,) = read_jsonl(tmp_path / "kiln_bench_tiny.jsonl")
-    assert row["method"] == "full" and row["kiln_compiled_calls"] > 0 and row["device"] == "cpu"
-    assert (tmp_path / "kiln_bench_tiny.md").is_file() and (tmp_path / "kiln_bench_env.txt").is_file()
 
 
 def test_bench_list_prints_the_default_cpu_plan_without_measuring(capsys):
@@ -164,53 +111,6 @@ def test_repeated_runs_combine_to_their_median_and_keep_the_spread():
     assert regional["steady_ms_runs"] == [30.0, 25.0, 40.0]
     assert "3: 25.00-40.00, 20.0-22.0 |" in results_table([regional, full])
     assert full["error"] == "boom"
-
-
-def test_bucket_plan_counts_the_recompiles_that_buckets_remove(tmp_path, capsys):
-    status = main(["bench", "--device", "cpu", "--plan", "buckets", "--models", "tiny", "--variants",
-                   "static,static-buckets", "--no-plots", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    static, bucketed = read_jsonl(tmp_path / "kiln_bench_buckets.jsonl")
-    assert (static["variant"], bucketed["variant"], static["backend"]) == ("static", "static-buckets", "aot_eager")
-    # Lengths 8-128 padded to each batch's longest give many shapes, a graph each, until Dynamo's
-    # limit; padded to multiples of 32 there are at most 4.
-    assert static["distinct_lengths"] > 4 >= bucketed["distinct_lengths"]
-    assert static["graphs"] > bucketed["graphs"] and bucketed["eager_calls"] == 0
-    assert static["compiled_calls"] > 0 and bucketed["compiled_calls"] > 0
-    table = (tmp_path / "kiln_bench_buckets.md").read_text()
-    assert "| static | False | none |" in table and "| static-buckets | False | multiple_of=32 |" in table
-
-
-@pytest.mark.inductor
-def test_warm_start_plan_loads_the_cold_runs_entry_in_a_fresh_process(tmp_path, capsys):
-    status = main(["bench", "--device", "cpu", "--plan", "warm-start", "--models", "tiny", "--variants",
-                   "cold,warm", "--steps", "1", "--no-plots", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    cold, warm = read_jsonl(tmp_path / "kiln_bench_warm-start.jsonl")
-    assert (cold["hit"], cold["saved"], warm["hit"]) == (False, True, True)
-    assert warm["aotautograd_local_cache_hit_count"] > 0 and cold["aotautograd_local_cache_hit_count"] == 0
-    assert warm["losses"] == cold["losses"]  # the warm code computes what the cold code did
-    targets = json.loads((tmp_path / "kiln_bench_warm-start_targets.json").read_text())
-    assert [t["target"] for t in targets] == ["warm start: warm / cold <= 0.25"]
-
-
-def test_resume_from_a_precompiled_checkpoint_loads_every_region_with_no_trace(tmp_path, capsys):
-    # cold-precompile packs what save_state would put in a checkpoint, its precompiled regions with
-    # it; the resume row starts with empty caches and installs it, as load_state does.
-    from torch_features import PRECOMPILE_BACKEND
-
-    status = main(["bench", "--device", "cpu", "--plan", "warm-start", "--models", "tiny", "--backend",
-                   PRECOMPILE_BACKEND, "--variants", "cold-precompile,resume-fresh-machine-precompiled",
-                   "--steps", "1", "--no-plots", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    precompiled, resumed = read_jsonl(tmp_path / "kiln_bench_warm-start.jsonl")
-    assert "error" not in resumed, resumed
-    assert precompiled["bundle_bytes"] > 0 and resumed["installed_files"] > 0
-    assert resumed["precompiled_loaded"] >= 1 and resumed["traces"] == 0 and resumed["compiled_calls"] > 0
-    assert resumed["losses"] == precompiled["losses"]
 
 
 def test_both_resume_rows_are_held_to_the_resume_target_against_the_cold_row():
@@ -311,20 +211,6 @@ def test_busy_rows_run_beside_a_process_that_takes_a_core(monkeypatch):
     assert seen["variant"] == "background-cold" and started[0][1:] == ["-c", "while True: pass"]
 
 
-@pytest.mark.multiprocess
-def test_local_processes_plan_launches_every_process_and_counts_the_whole_trees_cpu(tmp_path, capsys):
-    status = main(["bench", "--device", "cpu", "--plan", "local-processes", "--models", "tiny", "--backend",
-                   "aot_eager", "--steps", "2", "--processes", "2", "--variants", "precompiled-cold", "--no-plots",
-                   "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert status == 0, out
-    (row,) = read_jsonl(tmp_path / "kiln_bench_local-processes.jsonl")
-    assert (row["processes"], row["variant"], row["ran"]) == (2, "precompiled-cold", "precompiled")
-    assert sorted(row["traces"]) == [0, 1] and sorted(row["loaded"]) == [0, 1]  # one compiled, one loaded
-    assert row["cpu_s"] > row["first_s"] > 0  # the launcher's and both workers' CPU time
-    assert "| tiny | precompiled-cold | 2 |" in (tmp_path / "kiln_bench_local-processes.md").read_text()
-
-
 def test_local_processes_targets_subtract_the_eager_rows_cpu_at_the_same_process_count():
     from kiln.bench import local_processes
 
@@ -345,24 +231,6 @@ def test_local_processes_targets_subtract_the_eager_rows_cpu_at_the_same_process
 def test_processes_is_refused_outside_the_local_processes_plan(capsys):
     assert main(["bench", "--device", "cpu", "--plan", "tiny", "--processes", "2", "--list"]) == 2
     assert "--processes applies to the local-processes plan" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("model", ["sd-unet", "unet2d"])
-def test_diffusion_rows_train_a_unet_with_every_block_call_compiled(model):
-    pytest.importorskip("diffusers")
-    from kiln.bench.diffusion import build_unet, make_unet_step
-    from kiln.bench.measure import apply_method, kiln_facts
-
-    (row,) = [r.as_dict() for r in build_rows("diffusion", device="cpu", backend="aot_eager", models=[model],
-                                              methods=["regional"], seq=16)]
-    unet, _, inputs = build_unet(row)
-    before = [p.detach().clone() for p in unet.parameters()]
-    step = make_unet_step(apply_method(unet, row), unet, inputs, row)
-    step()
-    step()
-    facts = kiln_facts(unet)
-    assert facts["kiln_compiled_calls"] > 0 and facts["kiln_eager_calls"] == 0
-    assert any(not torch.equal(a, b) for a, b in zip(before, unet.parameters()))  # AdamW stepped
 
 
 def test_a_suite_report_names_each_kind_of_model_it_measured():

@@ -2,8 +2,9 @@
 each run end to end in fresh processes: a full run, a run stopped after a checkpoint, and a fresh
 process resuming from that checkpoint, which must continue the full run's losses exactly.
 
-All eleven runs start once per module, two at a time (about 75 s on two idle cores), whichever
-tests are selected; each test then reads the runs it needs."""
+All nine runs start once per module, two at a time (about 60 s on two idle cores), whichever tests
+are selected; each test then reads the runs it needs. Whole script runs in fresh processes, like
+Accelerate's own examples: they run in that lane (make test-accelerate-examples), not in make test."""
 
 import json
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.multiprocess  # two script runs at a time
+pytestmark = [pytest.mark.multiprocess, pytest.mark.accelerate_examples]  # two script runs at a time
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "tests/examples"
 
@@ -25,9 +26,11 @@ COMMON = ["--lr_scheduler_type", "constant_with_warmup", "--num_warmup_steps", "
 COMPILE_FROM_ENV = {"KILN_DYNAMO_BACKEND": "aot_eager", "KILN_DYNAMO_USE_REGIONAL_COMPILATION": "true"}
 
 # steps: optimizer steps of the full run; stop_at: the checkpoint the stopped run ends on, in the
-# second epoch, so that the resume parses step_k and skips batches of a shuffled epoch.
+# second epoch, so that the resume parses step_k and skips batches of a shuffled epoch. The masked LM
+# trains with dropout: its resume must also restore the RNG that dropout draws from.
 CASES = {
-    "mlm": dict(script="mlm_script.py", args=["--checkpointing_steps", "3"], env={}, steps=12, stop_at=9,
+    "mlm": dict(script="mlm_script.py", args=["--checkpointing_steps", "3", "--dropout", "0.1"], env={}, steps=12,
+                stop_at=9,
                 regions={"BertLayer"}, auto="AutoModelForMaskedLM"),
     "glue": dict(script="glue_script.py", args=["--checkpointing_steps", "6", "--with_tracking", "--report_to",
                                                 "tensorboard"],
@@ -37,8 +40,6 @@ CASES = {
                           env={}, steps=16, stop_at=12, regions={"BartEncoderLayer", "BartDecoderLayer"},
                           auto="AutoModelForSeq2SeqLM"),
 }
-# The masked LM again with dropout: resuming must restore the RNG that dropout draws from.
-DROPOUT = dict(CASES["mlm"], args=["--checkpointing_steps", "9", "--dropout", "0.1"])
 
 
 class Run:
@@ -104,8 +105,7 @@ def run_all(runs, workers=2):
 
 @pytest.fixture(scope="module")
 def all_runs(tmp_path_factory):
-    """For each case: a full run, one stopped at `stop_at`, and a fresh one resuming there; and the
-    masked LM with dropout, resumed from its own full run's checkpoint."""
+    """For each case: a full run, one stopped at `stop_at`, and a fresh one resuming there."""
     runs = {}
     for name, case in CASES.items():
         base = tmp_path_factory.mktemp(name)
@@ -116,16 +116,10 @@ def all_runs(tmp_path_factory):
             "resumed": Run(case, base / "resumed", "--resume_from_checkpoint",
                            str(base / "stopped" / f"step_{case['stop_at']}"), after=stopped),
         }
-    base = tmp_path_factory.mktemp("mlm_dropout")
-    full = Run(DROPOUT, base / "full")
-    runs["mlm_dropout"] = {"case": DROPOUT, "name": "mlm_dropout", "base": base, "full": full,
-                           "resumed": Run(DROPOUT, base / "resumed", "--resume_from_checkpoint",
-                                          str(base / "full" / f"step_{DROPOUT['stop_at']}"), after=full)}
     # The longest first, so the two workers finish together.
     order = [runs["summarization"]["full"], runs["summarization"]["stopped"], runs["summarization"]["resumed"],
              runs["glue"]["full"], runs["glue"]["stopped"], runs["glue"]["resumed"],
-             runs["mlm"]["full"], runs["mlm"]["stopped"], runs["mlm"]["resumed"],
-             runs["mlm_dropout"]["full"], runs["mlm_dropout"]["resumed"]]
+             runs["mlm"]["full"], runs["mlm"]["stopped"], runs["mlm"]["resumed"]]
     run_all(order)
     for name, group in runs.items():
         times = ", ".join(f"{kind} {run.seconds:.1f}s" for kind, run in group.items() if isinstance(run, Run))
@@ -182,10 +176,12 @@ def test_resumed_run_continues_the_full_run(runs):
 
 
 def test_mlm_with_dropout_resumes_with_the_same_random_draws(all_runs):
-    group = all_runs["mlm_dropout"]
+    group = all_runs["mlm"]
+    assert "--dropout" in group["case"]["args"]
     full, resumed = group["full"].losses(), group["resumed"].losses()
-    assert len(resumed) == len(full) - DROPOUT["stop_at"] * 2  # two batches per optimizer step
-    _assert_continues(resumed, full, f"dropout 0.1, resumed from step_{DROPOUT['stop_at']}")
+    stop_at = group["case"]["stop_at"]
+    assert len(resumed) == len(full) - stop_at * 2  # two batches per optimizer step
+    _assert_continues(resumed, full, f"dropout 0.1, resumed from step_{stop_at}")
 
 
 def test_save_pretrained_folder_loads_and_gives_the_trained_outputs(runs):
