@@ -44,7 +44,7 @@ STARTS = """
 import json, torch
 from torch import nn
 from kiln.compile import isa_probe
-from kiln.compile.regions import compile_full, compile_regions
+from kiln.compile.regions import compile_regions
 
 def blocks(device):
     return nn.Sequential(*[nn.Linear(4, 4, device=device) for _ in range(2)])
