@@ -8,15 +8,28 @@ side by side 1.3 s). `start()` asks Inductor the same questions on threads; `wai
 before Kiln's first compile or load (and imports what the generated code needs meanwhile), so
 Inductor finds its own answers cached instead of asking again. Nothing is changed: the answers
 are Inductor's, computed by Inductor's code.
+
+Each question ends in a new Python process that loads the probe library against libtorch (about
+0.3 s of CPU each, ten of them here), and a warm start pays them again beside its load. Where
+Inductor's probe has its load step as a method (`VecISA._probe_load`, torch 2.13 and later), the
+probe remembers a load that succeeded in a small record beside the library, `<library>.kiln-load`,
+holding what the load depended on: the library's bytes, the Python and libtorch it loaded against,
+the loader's environment and the CPU. A later process whose record matches takes the answer
+without the process; anything else (no record, another library, torch or CPU, a failed load) asks
+as Inductor does. Only Kiln's own probe threads use the record, and only while they ask.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import importlib
+import os
 import platform
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
@@ -79,8 +92,91 @@ def _candidates() -> list:
 
 
 def _ask(candidates: list) -> None:
+    remembering = [isa for isa in candidates if _remember_loads(isa)]
     try:
         with ThreadPoolExecutor(max_workers=len(candidates), thread_name_prefix="kiln-cpu-isa") as pool:
             list(pool.map(bool, candidates))  # VecISA.__bool__ runs and caches the probe
     except Exception:  # Inductor asks again itself at its first compile, and reports its own errors
         pass
+    finally:
+        for isa in remembering:
+            isa.__dict__.pop("_probe_load", None)  # Inductor's own method again, for any later question
+
+
+RECORD_SUFFIX = ".kiln-load"
+
+
+def _remember_loads(isa) -> bool:
+    """Give `isa` (one of Inductor's VecISA objects) a load step that consults and keeps the record
+    (module docstring), for as long as Kiln's probe asks; False where Inductor has no such step."""
+    inductors = getattr(type(isa), "_probe_load", None)
+    if not callable(inductors):
+        return False
+
+    def probe_load(output_path: str) -> bool:
+        record = Path(str(output_path) + RECORD_SUFFIX)
+        expected = load_fingerprint(Path(output_path))
+        if expected is not None and _read(record) == expected:
+            return True
+        loaded = inductors(isa, output_path)
+        if loaded and expected is not None:
+            _write(record, expected)
+        return loaded
+
+    isa._probe_load = probe_load  # on this object only; _ask removes it
+    return True
+
+
+def load_fingerprint(library: Path) -> str | None:
+    """What loading `library` in a new process depends on, as text (None where it cannot be read):
+    the library's bytes, the interpreter, torch and its shared libraries, the loader's environment,
+    and the CPU's flags."""
+    environment = _load_environment()
+    try:
+        digest = hashlib.sha256(library.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    return None if environment is None else f"library {digest}\n{environment}"
+
+
+@functools.cache
+def _load_environment() -> str | None:
+    try:
+        import torch
+        from torch._inductor import cpu_vec_isa
+
+        lib_dir = Path(torch.__file__).parent / "lib"
+        parts = [
+            "python " + os.path.realpath(sys.executable) + " " + sys.version,
+            "torch " + torch.__version__ + " " + os.path.realpath(lib_dir),
+        ]
+        for shared in sorted(lib_dir.glob("*.so*")):
+            stat = shared.stat()
+            parts.append(f"{shared.name} {stat.st_size} {stat.st_mtime_ns}")
+        for name in ("LD_LIBRARY_PATH", "LD_PRELOAD"):
+            parts.append(f"{name}={os.environ.get(name, '')}")
+        parts.append("libc " + " ".join(platform.libc_ver()))
+        parts.append("cpu " + " ".join(sorted(cpu_vec_isa.x86_isa_checker())))
+    except (OSError, ImportError, AttributeError):
+        return None
+    return "\n".join(parts) + "\n"
+
+
+def _read(record: Path) -> str | None:
+    try:
+        return record.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _write(record: Path, text: str) -> None:
+    """Write the record whole or not at all (a record that fails to write only costs the process again)."""
+    temporary = record.with_name(f"{record.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, record)
+    except OSError:
+        try:
+            temporary.unlink()
+        except OSError:
+            pass

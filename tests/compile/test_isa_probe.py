@@ -63,3 +63,57 @@ def test_compile_regions_starts_the_probe_for_a_cpu_model_compiled_with_inductor
     # instead of one question after another inside the first compiled call.
     out = subprocess.run([sys.executable, "-c", STARTS], capture_output=True, text=True, timeout=300, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, False, True]
+
+
+REMEMBERED = """
+import json, subprocess, sys
+loads = []
+real = subprocess.run
+subprocess.run = lambda cmd, *a, **k: (loads.append(1) if "LoadLibrary" in " ".join(map(str, cmd)) else None) or real(cmd, *a, **k)
+from kiln.compile import isa_probe
+from torch._inductor import cpu_vec_isa
+isa_probe.start()
+isa_probe.wait()
+during = len(loads)
+answer = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+own = any("_probe_load" in vars(isa) for isa in cpu_vec_isa.supported_vec_isa_list)
+print(json.dumps({"isas": answer, "loads": during, "loads_after": len(loads) - during, "substitute_left": own}))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="Inductor probes x86 Linux only")
+def test_a_load_that_succeeded_is_remembered_and_anything_else_asks_again(private_compile_cache, tmp_path):
+    from torch._inductor import cpu_vec_isa
+
+    from kiln.compile import isa_probe
+    from kiln.compile.artifacts.bundle import cpu_probe_builds
+
+    if not callable(getattr(cpu_vec_isa.VecISA, "_probe_load", None)):
+        pytest.skip("this torch's probe has no separate load step: every process asks (the stable path)")
+
+    def run(inductor):
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "PATH": "/usr/bin:/bin"}
+        out = subprocess.run([sys.executable, "-c", REMEMBERED], capture_output=True, text=True, env=env,
+                             timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    shared = private_compile_cache / "inductor"
+    reference = run(shared)  # builds the probe libraries once for the session (gcc is slow)
+    inductor = tmp_path / "inductor"
+    for path in cpu_probe_builds(shared):  # the libraries and sources, without any record
+        target = inductor / path.relative_to(shared)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+
+    first = run(inductor)
+    records = sorted(inductor.glob(f"*/*.so{isa_probe.RECORD_SUFFIX}"))
+    failed = first["loads"] - len(records)  # a load that failed is never remembered (none on most CPUs)
+    assert records and failed >= 0
+    again = run(inductor)
+    assert again["loads"] == failed  # every load that succeeded answered from its record: no process
+    records[0].write_text(records[0].read_text().replace("torch ", "torch 0.0 ", 1))  # another torch
+    changed = run(inductor)
+    assert changed["loads"] == failed + 1  # that one library's load is asked again
+    for result in (first, again, changed):
+        assert result["isas"] == reference["isas"] and result["isas"]  # the same instruction sets
+        assert result["loads_after"] == 0 and not result["substitute_left"]  # Inductor's own method back
