@@ -16,7 +16,9 @@ probe remembers a load that succeeded in a small record beside the library, `<li
 holding what the load depended on: the library's bytes, the Python and libtorch it loaded against,
 the loader's environment and the CPU. A later process whose record matches takes the answer
 without the process; anything else (no record, another library, torch or CPU, a failed load) asks
-as Inductor does. Only Kiln's own probe threads use the record, and only while they ask.
+as Inductor does. Only Kiln's own probe threads use the record, and only while they ask. Where
+Inductor remembers a load itself (torch 2.14 writes `<library>.load_ok` after one succeeded), Kiln
+leaves it to Inductor and writes no record.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import inspect
 import os
 import platform
 import sys
@@ -110,7 +113,7 @@ def _remember_loads(isa) -> bool:
     """Give `isa` (one of Inductor's VecISA objects) a load step that consults and keeps the record
     (module docstring), for as long as Kiln's probe asks; False where Inductor has no such step."""
     inductors = getattr(type(isa), "_probe_load", None)
-    if not callable(inductors):
+    if not callable(inductors) or _inductor_remembers_loads(type(isa)):
         return False
 
     def probe_load(output_path: str) -> bool:
@@ -125,6 +128,17 @@ def _remember_loads(isa) -> bool:
 
     isa._probe_load = probe_load  # on this object only; _ask removes it
     return True
+
+
+@functools.cache
+def _inductor_remembers_loads(isa_type: type) -> bool:
+    """Whether Inductor's own probe skips a load it saw succeed before (torch 2.14: a `.load_ok`
+    marker beside the library, checked in `check_build` before the load step)."""
+    try:
+        source = inspect.getsource(isa_type.check_build)
+    except (AttributeError, OSError, TypeError):
+        return False  # no source to read: Kiln's record stays (it only adds a check before the load)
+    return ".load_ok" in source
 
 
 def load_fingerprint(library: Path) -> str | None:

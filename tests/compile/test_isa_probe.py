@@ -106,14 +106,20 @@ def test_a_load_that_succeeded_is_remembered_and_anything_else_asks_again(privat
         target.write_bytes(path.read_bytes())
 
     first = run(inductor)
-    records = sorted(inductor.glob(f"*/*.so{isa_probe.RECORD_SUFFIX}"))
+    kilns = sorted(inductor.glob(f"*/*.so{isa_probe.RECORD_SUFFIX}"))
+    # torch 2.14 remembers a load itself (<library>.load_ok): there Kiln writes no record of its own.
+    inductors_own = isa_probe._inductor_remembers_loads(cpu_vec_isa.VecISA)
+    records = sorted(inductor.glob("*/*.so.load_ok")) if inductors_own else kilns
+    assert not (inductors_own and kilns)
     failed = first["loads"] - len(records)  # a load that failed is never remembered (none on most CPUs)
     assert records and failed >= 0
     again = run(inductor)
     assert again["loads"] == failed  # every load that succeeded answered from its record: no process
-    records[0].write_text(records[0].read_text().replace("torch ", "torch 0.0 ", 1))  # another torch
-    changed = run(inductor)
-    assert changed["loads"] == failed + 1  # that one library's load is asked again
-    for result in (first, again, changed):
+    results = [first, again]
+    if not inductors_own:
+        records[0].write_text(records[0].read_text().replace("torch ", "torch 0.0 ", 1))  # another torch
+        results.append(run(inductor))
+        assert results[-1]["loads"] == failed + 1  # that one library's load is asked again
+    for result in results:
         assert result["isas"] == reference["isas"] and result["isas"]  # the same instruction sets
         assert result["loads_after"] == 0 and not result["substitute_left"]  # Inductor's own method back
