@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test test-fast test-accelerate-examples test-torch-matrix test-latest bench clean
+.PHONY: setup demo test test-fast test-bench test-accelerate-examples test-torch-matrix test-latest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,13 +37,21 @@ demo: $(RUN_STAMP)
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
+LANES := not accelerate_examples and not latest and not bench_runs
+
 test: $(DEV_STAMP)
-	$(PYTEST_PARALLEL) -m "not serial and not accelerate_examples and not latest"
-	$(PY) -m pytest tests -q -m "serial and not accelerate_examples and not latest"
+	$(PYTEST_PARALLEL) -m "not serial and $(LANES)"
+	$(PY) -m pytest tests -q -m "serial and $(LANES)"
+
+# kiln bench's real rows (tests/cli/test_bench_rows.py, test_bench_warm_start.py): whole bench runs
+# in child processes, cold and warm starts with Inductor, a launch. They test the benchmark tool, not
+# training, and would not fit make test's 12 minutes; CI runs them after make test (.ci/run).
+test-bench: $(DEV_STAMP)
+	$(PYTEST_PARALLEL) -m "bench_runs and not serial"
 
 # The inner loop: no real Inductor compile, no launch (about 2 minutes on 2 cores).
 test-fast: $(DEV_STAMP)
-	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial and not accelerate_examples"
+	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial and not accelerate_examples and not bench_runs"
 
 # Whole example scripts in fresh processes: Accelerate's own, each run with the real Accelerate and
 # on Kiln (1 and 2 processes, regional compile: 75 runs), then Kiln's three scripts in the shape of

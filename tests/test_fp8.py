@@ -32,10 +32,11 @@ TORCHAO_ERROR = _torchao_error()
 needs_torchao = pytest.mark.skipif(TORCHAO_ERROR is not None,
                                    reason=f"torchao.float8 is not importable here: {TORCHAO_ERROR}")
 
-STEPS, SAVE_AFTER, LAYERS = 10, 5, 3
+STEPS, SAVE_AFTER, LAYERS = 6, 3, 3
 # Measured on this CPU (torch 2.13, torchao 0.18, width 64, AdamW 3e-3): fp8 and bf16 losses differ
-# by at most 0.027 over the 10 steps while both fall from 4.6 to 3.4; 0.08 leaves a 3x margin.
-FP8_VS_BF16_LOSS_TOLERANCE = 0.08
+# by at most 0.013 over the 6 steps while both fall from 4.6 to 3.8; 0.04 leaves a 3x margin. (Six
+# steps, not more: torch's CPU _scaled_mm takes 25 ms a call here, 1.5 s of each fp8 step.)
+FP8_VS_BF16_LOSS_TOLERANCE = 0.04
 # Each float8 linear runs three float8 matmuls a step: output, input gradient, weight gradient.
 MATMULS_PER_LINEAR = 3
 

@@ -12,7 +12,8 @@ from bench_helpers import HAVE_ACCELERATE, ROOT, TINY, read_jsonl
 from kiln.bench.plan import build_rows
 from kiln.cli import main
 
-pytestmark = pytest.mark.subprocesses  # a row a few seconds (what orders the modules: tests/conftest.py)
+# A row a few seconds (subprocesses orders the modules: tests/conftest.py); make test-bench runs them.
+pytestmark = [pytest.mark.subprocesses, pytest.mark.bench_runs]
 
 
 def test_bench_measures_eager_and_regional_and_writes_json_lines_and_table(tmp_path, capsys):

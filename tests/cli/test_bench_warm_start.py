@@ -8,6 +8,8 @@ import pytest
 from bench_helpers import read_jsonl
 from kiln.cli import main
 
+pytestmark = pytest.mark.bench_runs  # make test-bench runs them (after make test, in .ci/run)
+
 
 @pytest.mark.inductor
 def test_warm_start_plan_loads_the_cold_runs_entry_in_a_fresh_process(tmp_path, capsys):
