@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test test-fast test-bench test-accelerate-examples test-torch-matrix test-latest bench clean
+.PHONY: setup demo test test-fast test-warm-starts test-bench test-accelerate-examples test-torch-matrix test-latest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,11 +37,19 @@ demo: $(RUN_STAMP)
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
-LANES := not accelerate_examples and not latest and not bench_runs
+LANES := not accelerate_examples and not latest and not bench_runs and not warm_starts
 
 test: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "not serial and $(LANES)"
 	$(PY) -m pytest tests -q -m "serial and $(LANES)"
+
+# Whole jobs with real Inductor in fresh processes, cold then warm (marker warm_starts): the demo's
+# second run in bf16, a saved compile loaded by a second process, training on the helpers' caches,
+# damaged and foreign compiled code in a cache folder and a checkpoint. Each compiles cold with gcc
+# (30-50 s here); together they would take make test past its 12 minutes. make test keeps one real
+# Inductor parity test (tests/compile/test_inductor.py); CI runs these after make test (.ci/run).
+test-warm-starts: $(DEV_STAMP)
+	$(PYTEST_PARALLEL) -m "warm_starts and not serial"
 
 # kiln bench's real rows (tests/cli/test_bench_rows.py, test_bench_warm_start.py): whole bench runs
 # in child processes, cold and warm starts with Inductor, a launch. They test the benchmark tool, not

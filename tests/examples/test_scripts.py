@@ -42,6 +42,7 @@ def test_demo_trains_and_reports_compiled_blocks(tmp_path):
 
 
 @pytest.mark.inductor
+@pytest.mark.warm_starts
 def test_demo_with_inductor_in_bf16_starts_warm_the_second_time(tmp_path):
     args = [str(ROOT / "examples/train_lm.py"), "--steps", "4", "--log-every", "2", "--layers", "2",
             "--width", "64", "--batch", "4", "--seq", "32", "--precision", "bf16", "--out", str(tmp_path / "weights")]

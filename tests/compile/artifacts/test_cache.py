@@ -520,6 +520,7 @@ WARM_START_CHILD = textwrap.dedent("""
 
 
 @pytest.mark.inductor
+@pytest.mark.warm_starts
 def test_second_process_loads_the_saved_compile_and_computes_the_same(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in (INDUCTOR_ENV, "TRITON_CACHE_DIR")}
     env.update(KILN_COMPILE_CACHE_DIR=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))

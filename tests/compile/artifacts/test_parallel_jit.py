@@ -128,6 +128,7 @@ def test_a_lone_process_with_one_free_core_compiles_in_the_training_process(tmp_
 
 
 @pytest.mark.inductor
+@pytest.mark.warm_starts
 def test_with_inductor_training_compiles_every_graph_from_the_helpers_caches(tmp_path):
     # What the mode is for: the training process's own compiles at step 2 find every forward and
     # backward graph the helpers compiled (an empty Inductor folder of this test's own), so Inductor

@@ -23,7 +23,7 @@ from kiln.compile.artifacts import bundle
 from kiln.compile.artifacts.cache import pack_envelope, read_envelope
 from kiln.compile.artifacts.trust import ENV_KEY
 
-pytestmark = pytest.mark.inductor
+pytestmark = [pytest.mark.inductor, pytest.mark.warm_starts]  # make test-warm-starts runs them
 TESTS = Path(__file__).resolve().parents[2]
 KEY = "kiln-tampering-tests-key-" + "3c" * 16
 STEPS, SAVED_AT = 4, 2
