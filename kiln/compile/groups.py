@@ -71,9 +71,22 @@ def _tensor_features(tensor: Any) -> tuple:
     return (shape, str(tensor.dtype), bool(tensor.requires_grad))
 
 
-def shares_code(modules: list[nn.Module]) -> bool:
-    """True when at least two of `modules` fall in one group: a region for them saves compiles."""
-    return len(group_instances(modules, [""] * len(modules))) < len(modules)
+def repeats_one_block(modules: list[nn.Module]) -> bool:
+    """True when `modules` (instances of one class in one container) are repeats of one block, so
+    each becomes a region: at least two fall in one group (a region saves compiles), or at least two
+    hold the same tensors (names, shapes, dtypes) and differ only in which submodule classes or flags
+    they have, as the float8 swap leaves a model's decoder layers (the first layer keeps a plain
+    linear the others lose); each group then gets an entry of its own. Instances whose tensors all
+    differ (a UNet's down-sampling stages, each of its own width) are not: the search looks inside."""
+    if len(group_instances(modules, [""] * len(modules))) < len(modules):
+        return True
+    layouts = [_tensor_layout(m) for m in modules]
+    return len(set(layouts)) < len(layouts)
+
+
+def _tensor_layout(module: nn.Module) -> tuple:
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    return tuple((name, _tensor_features(tensor)) for name, tensor in tensors)
 
 
 def describe_difference(group: InstanceGroup, first: InstanceGroup, limit: int = 3) -> str:

@@ -30,7 +30,7 @@ from torch import nn
 
 from kiln.compile import isa_probe
 from kiln.compile.backend import TrackedBackend, resolve_backend
-from kiln.compile.groups import describe_difference, group_instances, shares_code
+from kiln.compile.groups import describe_difference, group_instances, repeats_one_block
 from kiln.compile.monitor import MONITOR, check_recompile_policy
 from kiln.compile.progress import PROGRESS
 from kiln.compile.artifacts.aot_workarounds import region_entry
@@ -123,9 +123,10 @@ def find_repeated_blocks(model: nn.Module) -> dict[type, list[str]]:
 
     Looks in every `nn.ModuleList`, `nn.Sequential` and `nn.ModuleDict`, at any depth, and does not
     look inside a block once chosen (no region inside a region). torch's own layers are skipped, and
-    so are classes whose instances there all differ in what their graphs depend on (a UNet's
-    down-sampling stages, each of its own width): a region for them would save no compile, so the
-    search looks inside them instead (kiln/compile/groups.py).
+    so are classes whose instances there all hold tensors of other shapes (a UNet's down-sampling
+    stages, each of its own width): a region for them would save no compile, so the search looks
+    inside them instead. Instances with the same tensors that differ in a submodule's class (fp8's
+    plain first linear) are blocks, in instance groups of their own (kiln/compile/groups.py).
 
     >>> find_repeated_blocks(gpt2)  # {GPT2Block: ['transformer.h.0', ..., 'transformer.h.11']}
     """
@@ -140,7 +141,7 @@ def find_repeated_blocks(model: nn.Module) -> dict[type, list[str]]:
                 if not is_builtin_module(child):
                     by_class.setdefault(type(child), []).append(name)
             for cls, names in by_class.items():
-                if len(names) >= 2 and shares_code([children[n] for n in names]):
+                if len(names) >= 2 and repeats_one_block([children[n] for n in names]):
                     found.setdefault(cls, []).extend(_join(prefix, n) for n in names)
                     chosen.update(names)
         for name, child in module.named_children():

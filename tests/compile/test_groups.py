@@ -2,6 +2,8 @@
 graphs depend on gets one compiled entry per group, so no call runs eagerly for lack of Dynamo's
 recompile budget, and identical instances still share one graph."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -134,6 +136,37 @@ def test_search_looks_inside_repeated_stages_that_share_nothing():
     # Stages that repeat exactly stay the regions.
     model = nn.ModuleList([Stage(8), Stage(8)])
     assert find_repeated_blocks(model) == {Stage: ["0", "1"]}
+
+
+class SwappedLinear(nn.Linear):
+    """A linear of its own class holding the same tensors, as torchao's float8 swap leaves one."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+def test_blocks_that_differ_only_in_a_swapped_submodule_class_are_still_block_regions():
+    # The float8 swap leaves a model's first linear plain: layer 0 then differs from every other layer
+    # in one submodule's class alone, and with two layers no two are alike. They are still the blocks.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(Resnetish(8, 8, index=i) for i in range(2)))
+    eager = nn.Sequential(*(Resnetish(8, 8) for _ in range(2)))
+    eager.load_state_dict(model.state_dict())
+    swapped = SwappedLinear(8, 8)
+    swapped.load_state_dict(model[0].fc.state_dict())
+    model[0].fc = swapped
+    assert find_repeated_blocks(model) == {Resnetish: ["0", "1"]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "no repeated blocks, compiling the whole model" warning
+        compile_regions(model, **FAST)
+    regions = compiled_regions(model)
+    assert [(r.name, r.paths) for r in regions] == [("Resnetish#1", ["0"]), ("Resnetish#2", ["1"])]
+    assert "Resnetish#2: 1 instance(s) (1); unlike #1: fc 'Linear'" in compile_report(model).table()
+    x = torch.randn(2, 8)
+    assert torch.equal(model(x), eager(x))
+    assert all(r.calls == 1 and r.eager_calls == 0 for r in regions)
+    # Instances whose tensors differ (another width) are not repeats: the search looks inside them.
+    assert find_repeated_blocks(nn.Sequential(Resnetish(8, 8), Resnetish(8, 16))) == {}
 
 
 def test_each_group_is_precompiled_apart_and_a_later_run_loads_it(tmp_path):
