@@ -59,7 +59,7 @@ test-bench: $(DEV_STAMP)
 
 # The inner loop: no real Inductor compile, no launch (about 2 minutes on 2 cores).
 test-fast: $(DEV_STAMP)
-	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial and not accelerate_examples and not bench_runs"
+	$(PYTEST_PARALLEL) -m "not inductor and not multiprocess and not serial and $(LANES)"
 
 # Whole example scripts in fresh processes: Accelerate's own, each run with the real Accelerate and
 # on Kiln (1 and 2 processes, regional compile: 75 runs), then Kiln's three scripts in the shape of

@@ -73,13 +73,11 @@ def _tensor_features(tensor: Any) -> tuple:
 
 def repeats_one_block(modules: list[nn.Module]) -> bool:
     """True when `modules` (instances of one class in one container) are repeats of one block, so
-    each becomes a region: at least two fall in one group (a region saves compiles), or at least two
-    hold the same tensors (names, shapes, dtypes) and differ only in which submodule classes or flags
-    they have, as the float8 swap leaves a model's decoder layers (the first layer keeps a plain
-    linear the others lose); each group then gets an entry of its own. Instances whose tensors all
+    each becomes a region: at least two hold the same tensors (names, shapes, dtypes). That covers
+    two in one group (a region saves compiles) and two that differ only in which submodule classes
+    or flags they have, as the float8 swap leaves a model's decoder layers (the first layer keeps a
+    plain linear the others lose); each group gets an entry of its own. Instances whose tensors all
     differ (a UNet's down-sampling stages, each of its own width) are not: the search looks inside."""
-    if len(group_instances(modules, [""] * len(modules))) < len(modules):
-        return True
     layouts = [_tensor_layout(m) for m in modules]
     return len(set(layouts)) < len(layouts)
 
