@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from kiln.compile import isa_probe
+from kiln.compile import isa_probe, kv_cache
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.groups import describe_difference, group_instances, repeats_one_block
 from kiln.compile.monitor import MONITOR, check_recompile_policy
@@ -83,6 +83,12 @@ class CompiledRegion:
     chosen_by: str = "the whole model"  # what decided the region: the user, the model's declaration, or search
     group: tuple[int, int] = (1, 1)  # (this group, the class's groups): instances split by their graphs
     group_differs: str = ""  # how this group's instances differ from the class's first group
+    cache_notes: dict[str, str] = field(default_factory=dict)  # KV cache class -> how calls got it (kv_cache.py)
+
+    @property
+    def checkpointed(self) -> bool:
+        """Its instances run under Kiln's activation checkpointing (kiln/activation_checkpointing.py)."""
+        return hasattr(self.base_forward, "_kiln_checkpointed")
 
     @property
     def instances(self) -> int:
@@ -420,7 +426,9 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
                     region.invocations += 1
                     return output
         graphs, calls = len(backend.graphs), backend.calls
-        with _under_transformers_checkpointing(module):
+        if kwargs:
+            kwargs = _with_block_caches(region, module, kwargs)
+        with _under_checkpointing(region, module):
             output = compiled(module, *args, **kwargs)
         region.invocations += 1
         if backend.calls == calls:
@@ -437,6 +445,19 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
 _NOT_RUN = PrecompiledRegion.NOT_RUN
 
 
+def _with_block_caches(region: CompiledRegion, module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with a transformers KV cache replaced by this block's layer (kv_cache.py); one
+    warning for each cache class the region gets whole, which compiles a graph per layer."""
+    known = len(region.cache_notes)
+    kwargs = kv_cache.for_block(module, kwargs, region.cache_notes)
+    if len(region.cache_notes) != known:
+        for kind, note in list(region.cache_notes.items())[known:]:
+            if note.startswith("passed whole"):
+                warnings.warn(f"compiled region {region.name}: the KV cache {kind} is {note}",
+                              KilnCompileWarning, stacklevel=5)
+    return kwargs
+
+
 class _LazyCompile:
     """`torch.compile(entry, backend=..., **kwargs)`, made at its first call."""
 
@@ -449,18 +470,25 @@ class _LazyCompile:
         return self.fn(*args, **kwargs)
 
 
-def _under_transformers_checkpointing(module: nn.Module):
-    """Dynamo told to trace, not refuse, Python side effects inside a checkpoint of a transformers
+def _under_checkpointing(region: CompiledRegion, module: nn.Module):
+    """Dynamo told to trace, not refuse, Python side effects inside the checkpoint of a block that
+    checkpoints its activations, and not to replay them in the backward's recompute: a transformers
     layer that checkpoints itself (`GradientCheckpointingLayer`, `gradient_checkpointing` on, in
-    training with grad), and not to replay them in the backward's recompute. With transformers 5.25
-    and kernels 0.19, the kernelized attention sets and resets a context variable (which rotary
-    function runs) inside the layer: torch 2.13 refuses that mutation inside the checkpoint, the
-    whole layer ran eagerly, and nothing in it needs replaying. Other blocks are traced as torch does."""
-    # Every JIT call of every region asks: the class attribute first (transformers declares it there,
-    # False), so other blocks pay no failed instance lookup through nn.Module.__getattr__.
-    if (getattr(type(module), "gradient_checkpointing", None) is not None and module.gradient_checkpointing is True
-            and module.training and torch.is_grad_enabled()
-            and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")):
+    training with grad), or a block under Kiln's activation checkpointing (with grad). With
+    transformers 5.25 and kernels 0.19, the kernelized attention sets and resets a context variable
+    (which rotary function runs) inside the layer: torch 2.13 refuses that mutation inside a
+    checkpoint, and the whole layer ran eagerly ("HOP: Unsafe side effect"). Nothing in it needs
+    replaying; the recompute's arithmetic is the forward's. Other blocks are traced as torch does."""
+    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        return _AS_TORCH_TRACES
+    if region.checkpointed:
+        checkpoints = torch.is_grad_enabled()
+    else:
+        # Every JIT call of every region asks: the class attribute first (transformers declares it there,
+        # False), so other blocks pay no failed instance lookup through nn.Module.__getattr__.
+        checkpoints = (getattr(type(module), "gradient_checkpointing", None) is not None
+                       and module.gradient_checkpointing is True and module.training and torch.is_grad_enabled())
+    if checkpoints:
         return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
     return _AS_TORCH_TRACES
 

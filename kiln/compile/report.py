@@ -48,6 +48,7 @@ class RegionReport:
     group: tuple[int, int] = (1, 1)  # (this group, the class's groups): kiln/compile/groups.py
     group_differs: str = ""  # how this group's instances differ from the class's first group
     paths: list[str] = field(default_factory=list)  # the instances, as module paths
+    kv_caches: dict[str, str] = field(default_factory=dict)  # KV cache class -> how the calls got it
 
     @property
     def silent(self) -> bool:
@@ -139,6 +140,8 @@ class CompileReport:
             elif r.group_differs:
                 lines.append(f"{r.name}: {r.instances} instance(s) ({', '.join(r.paths[:2])}"
                              f"{', ...' if r.instances > 2 else ''}); unlike #1: {r.group_differs}")
+            for kind, note in r.kv_caches.items():
+                lines.append(f"{r.name}: KV cache {kind}: {note}")
         for note in self.settings:
             lines.append(f"setting: {note}")
         if self.timeline:
@@ -187,6 +190,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 group=region.group,
                 group_differs=region.group_differs,
                 paths=list(region.paths),
+                kv_caches=dict(region.cache_notes),
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),
