@@ -11,14 +11,18 @@ from __future__ import annotations
 import types
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
 def checkpointed_forward(forward: Callable) -> Callable:
-    """`forward(module, ...)` run under non-reentrant checkpointing (the variant Dynamo traces)."""
+    """`forward(module, ...)` run under non-reentrant checkpointing (the variant Dynamo traces);
+    without grad there is no backward to recompute for, and it runs as is (evaluation, generation)."""
 
     def forward_with_checkpointing(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(module, *args, **kwargs)
         return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
 
     forward_with_checkpointing._kiln_checkpointed = forward

@@ -7,7 +7,6 @@ the tests that train skip, and those about refusals still run.
 import contextlib
 import importlib
 import sys
-import warnings
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from safetensors.torch import load_file
 from torch import nn
 
 from kiln import Accelerator, TorchDynamoPlugin, load_model
-from kiln.compile.regions import KilnCompileWarning
 from kiln.fp8 import convert_to_fp8, default_linear_filter, first_and_last_linear
 from kiln.precision import Precision
 from kiln.utils import AORecipeKwargs, FP8RecipeKwargs, MSAMPRecipeKwargs, TERecipeKwargs
@@ -120,24 +118,6 @@ def test_block_linears_become_float8_and_the_first_and_last_stay_plain(runs):
     assert plain == {"model.layers.0.self_attn.q_proj", "lm_head"}  # first, and last (97 outputs too)
     assert all(issubclass(kinds[path], Float8Linear) for path in kinds.keys() - plain)
     assert len(kinds) - len(plain) == 7 * LAYERS - 1
-
-
-@needs_torchao
-def test_two_layers_are_two_block_regions_not_a_whole_model_compile():
-    # Layer 0 keeps a plain q_proj, so with two layers no two are alike; each is still a block region.
-    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True)
-    accelerator = Accelerator(mixed_precision="fp8", dynamo_plugin=plugin)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", KilnCompileWarning)  # never "no repeated blocks"
-        model = accelerator.prepare(tiny_llama(layers=2, width=64))
-    ids = batches()[0]
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-    regions = accelerator.compile_report().regions
-    assert [(r.name, r.paths) for r in regions] == [("LlamaDecoderLayer#1", ["model.layers.0"]),
-                                                    ("LlamaDecoderLayer#2", ["model.layers.1"])]
-    assert all(r.compiled_calls == 1 and r.eager_calls == 0 for r in regions)
 
 
 @needs_torchao
