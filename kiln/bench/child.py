@@ -1,7 +1,7 @@
 """The measuring child's entry point: `python -m kiln.bench.child '<row json>'` measures the row with
 its suite's `measure` and prints the result as its last stdout line.
 
-Depends on the suite modules (measure, warm_start, startup, buckets), which never import it.
+Depends on the suite modules (measure, warm_start, startup, buckets, checkpointing), which never import it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def suite_measure(suite: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
         from kiln.bench.startup import measure
     elif suite == "buckets":
         from kiln.bench.buckets import measure
+    elif suite == "checkpointing":
+        from kiln.bench.checkpointing import measure
     elif suite == "compile":
         from kiln.bench.measure import measure
     else:

@@ -5,7 +5,8 @@ Depends on the standard library only (the parent process plans rows without impo
 A plan is a list of groups; each group is a cross product of models x workloads x batch sizes x
 methods (x compile modes, x variants), so a plan can be small where a full cross product would not
 fit the time. A group belongs to a suite: `compile` (cold compile and steady steps, kiln.bench.measure),
-`warm-start` (kiln.bench.warm_start), `buckets` (kiln.bench.buckets), `startup`
+`warm-start` (kiln.bench.warm_start), `buckets` (kiln.bench.buckets), `checkpointing`
+(kiln.bench.checkpointing), `startup`
 (kiln.bench.startup) or `local-processes` (kiln.bench.local_processes: the start-up job on 1 and 2
 local processes); the variants are the suite's.
 """
@@ -70,6 +71,8 @@ SUITE_VARIANTS = {
                    "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine",
                    "resume-fresh-machine-precompiled"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
+    "checkpointing": ("eager", "eager-checkpointing", "eager-checkpointing-reentrant", "regional",
+                      "regional-checkpointing", "regional-checkpointing-reentrant"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
                 "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
@@ -210,6 +213,12 @@ PLANS: dict[str, list[Group]] = {
     ],
     # Shape buckets over one epoch of variable-length batches; aot_eager unless --backend says
     # otherwise (Inductor builds up to 8 graphs with gcc here: minutes per row).
+    # transformers' gradient checkpointing, eager and regionally compiled: activation memory held
+    # for backward and step time (about 2 minutes with Inductor on 2 cores).
+    "checkpointing": [
+        Group(["small"], ["train"], [4], ["regional"], suite="checkpointing", seq={"infer": 128, "train": 128},
+              variants=list(SUITE_VARIANTS["checkpointing"])),
+    ],
     "buckets": [
         Group(["small"], ["train"], [4], ["regional"], suite="buckets", seq={"infer": 128, "train": 128},
               variants=list(SUITE_VARIANTS["buckets"]), backend="aot_eager"),

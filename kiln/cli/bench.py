@@ -1,7 +1,7 @@
 """`kiln bench`: every benchmark Kiln publishes, as plans: the compile benchmark (eager, full, regional;
 Kiln's and Accelerate's) by model and batch, warm starts (`--plan warm-start`), start-up of whole jobs
-(`--plan startup`), cold starts of local processes (`--plan local-processes`) and shape buckets
-(`--plan buckets`).
+(`--plan startup`), cold starts of local processes (`--plan local-processes`), shape buckets
+(`--plan buckets`) and gradient checkpointing's memory (`--plan checkpointing`).
 
 Depends on kiln.bench only; never on the facade.
 """
@@ -35,6 +35,8 @@ def add_parser(commands: Any) -> None:
                     "training step of fresh processes whose Kiln cache folder holds nothing, part or all of "
                     "a cold run's (about 2 minutes); `--plan buckets`: recompiles and time over one epoch of "
                     "variable-length batches with and without shape buckets (about a minute, aot_eager); "
+                    "`--plan checkpointing`: activation memory and step time with transformers' gradient "
+                    "checkpointing, eager and regionally compiled (about 2 minutes); "
                     "`--plan local-processes`: cold starts of 1 and 2 local processes, CPU-seconds of the "
                     "whole process tree (about 3 minutes).")
     parser.add_argument("--plan", choices=list(PLANS), default=None,
