@@ -1,7 +1,8 @@
 """The measuring child's entry point: `python -m kiln.bench.child '<row json>'` measures the row with
 its suite's `measure` and prints the result as its last stdout line.
 
-Depends on the suite modules (measure, warm_start, startup, buckets, checkpointing), which never import it.
+Depends on the suite modules (measure, warm_start, startup, buckets, checkpointing,
+host_overhead), which never import it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ def suite_measure(suite: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
         from kiln.bench.buckets import measure
     elif suite == "checkpointing":
         from kiln.bench.checkpointing import measure
+    elif suite == "host-overhead":
+        from kiln.bench.host_overhead import measure
     elif suite == "compile":
         from kiln.bench.measure import measure
     else:

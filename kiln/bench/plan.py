@@ -6,7 +6,7 @@ A plan is a list of groups; each group is a cross product of models x workloads 
 methods (x compile modes, x variants), so a plan can be small where a full cross product would not
 fit the time. A group belongs to a suite: `compile` (cold compile and steady steps, kiln.bench.measure),
 `warm-start` (kiln.bench.warm_start), `buckets` (kiln.bench.buckets), `checkpointing`
-(kiln.bench.checkpointing), `startup`
+(kiln.bench.checkpointing), `host-overhead` (kiln.bench.host_overhead), `startup`
 (kiln.bench.startup) or `local-processes` (kiln.bench.local_processes: the start-up job on 1 and 2
 local processes); the variants are the suite's.
 """
@@ -24,6 +24,11 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     "small": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    # Thin layers where the host bounds a step (kiln bench --plan host-overhead): 8 and 24 of them.
+    "host8": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
+    "host24": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
     # issue 28's Llama: the start-up job's width, 6 layers (kiln bench --plan side-by-side)
     "small6": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, vocab_size=512),
@@ -71,6 +76,7 @@ SUITE_VARIANTS = {
                    "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine",
                    "resume-fresh-machine-precompiled"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
+    "host-overhead": ("",),  # one row holds every variant (kiln.bench.host_overhead.VARIANTS)
     "checkpointing": ("eager", "eager-checkpointing", "eager-checkpointing-reentrant", "regional",
                       "regional-checkpointing", "regional-checkpointing-reentrant"),
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
@@ -136,9 +142,12 @@ class Group:
     variants: list[str] = field(default_factory=lambda: [""])
     backend: str | None = None  # the group's default backend, where the command line names none
     processes: list[int] = field(default_factory=lambda: [1])
+    threads: int | None = None  # the group's torch threads, where the command line names none
 
     def rows(self, backend: str | None = None, **common: Any) -> list[Row]:
         backend = backend or self.backend or "inductor"
+        if common.get("threads") is None and self.threads is not None:
+            common = dict(common, threads=self.threads)
         return [Row(model=m, workload=w, batch=b, seq=self.seq[w], method=method, mode=mode,
                     steps=self.steps, suite=self.suite, variant=variant, backend=backend, processes=n, **common)
                 for n in self.processes for m in self.models for w in self.workloads for b in self.batches
@@ -213,6 +222,15 @@ PLANS: dict[str, list[Group]] = {
     ],
     # Shape buckets over one epoch of variable-length batches; aot_eager unless --backend says
     # otherwise (Inductor builds up to 8 graphs with gcc here: minutes per row).
+    # Where the host bounds a step: every variant of one model in one process, stepped in turn, at
+    # batch 1x16 on one thread (8 and 24 thin layers), then at 4x64 on two threads, where the
+    # arithmetic weighs more (about 12 minutes with Inductor on 2 cores).
+    "host-overhead": [
+        Group(["host8", "host24"], ["infer", "train"], [1], ["regional"], suite="host-overhead",
+              seq={"infer": 16, "train": 16}, steps=300, threads=1),
+        Group(["host8"], ["infer", "train"], [4], ["regional"], suite="host-overhead",
+              seq={"infer": 64, "train": 64}, steps=100, threads=2),
+    ],
     # transformers' gradient checkpointing, eager and regionally compiled: activation memory held
     # for backward and step time (about 2 minutes with Inductor on 2 cores).
     "checkpointing": [

@@ -202,10 +202,10 @@ def progress_tail(result: dict[str, Any]) -> str:
     note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
     suite = result.get("suite", "compile")
     if suite != "compile":
-        from kiln.bench import buckets, checkpointing, local_processes, startup, warm_start
+        from kiln.bench import buckets, checkpointing, host_overhead, local_processes, startup, warm_start
 
         modules = {"warm-start": warm_start, "startup": startup, "local-processes": local_processes,
-                   "checkpointing": checkpointing}
+                   "checkpointing": checkpointing, "host-overhead": host_overhead}
         module = modules.get(suite, buckets)
         return f"{head}  {module.progress(result)}{note}"
     return (f"{head}  compile {result['compile_s']:.1f} s, steady {result['steady_ms']:.2f} ms, "

@@ -35,6 +35,8 @@ def add_parser(commands: Any) -> None:
                     "training step of fresh processes whose Kiln cache folder holds nothing, part or all of "
                     "a cold run's (about 2 minutes); `--plan buckets`: recompiles and time over one epoch of "
                     "variable-length batches with and without shape buckets (about a minute, aot_eager); "
+                    "`--plan host-overhead`: every variant of a thin model in one process, stepped in turn, "
+                    "with step-time ratios to a full compile (about 12 minutes); "
                     "`--plan checkpointing`: activation memory and step time with transformers' gradient "
                     "checkpointing, eager and regionally compiled (about 2 minutes); "
                     "`--plan local-processes`: cold starts of 1 and 2 local processes, CPU-seconds of the "

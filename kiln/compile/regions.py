@@ -65,6 +65,7 @@ class CompiledRegion:
     kind: str  # "block" or "full"
     label: str  # the entry function's name, Dynamo's co_name for this region
     compiled_forward: Callable = field(repr=False, default=None)
+    compiled_entry: Callable = field(repr=False, default=None)  # the torch.compile'd entry compiled_forward calls
     recompile_policy: str = "allow"
     warm: bool = False  # set after the warm-up steps; recompiles after it meet the policy
     invocations: int = 0
@@ -376,6 +377,7 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
         compiled = _LazyCompile(entry, tracked, kwargs)
     else:
         compiled = torch.compile(entry, backend=tracked, **kwargs)
+    region.compiled_entry = compiled
     region.compiled_forward = _region_forward(region, compiled)
     MONITOR.watch(region)
     PROGRESS.watch()  # reads KILN_COMPILE_PROGRESS: a bad value is an error here, not mid-compile
@@ -479,7 +481,7 @@ def _under_checkpointing(region: CompiledRegion, module: nn.Module):
     (which rotary function runs) inside the layer: torch 2.13 refuses that mutation inside a
     checkpoint, and the whole layer ran eagerly ("HOP: Unsafe side effect"). Nothing in it needs
     replaying; the recompute's arithmetic is the forward's. Other blocks are traced as torch does."""
-    if not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+    if not _SKIPS_SIDE_EFFECTS_UNDER_CHECKPOINT:
         return _AS_TORCH_TRACES
     if region.checkpointed:
         checkpoints = torch.is_grad_enabled()
@@ -494,6 +496,8 @@ def _under_checkpointing(region: CompiledRegion, module: nn.Module):
 
 
 _AS_TORCH_TRACES = contextlib.nullcontext()  # reusable: it holds no state
+# Asked once: torch's config module answers attribute lookups through __getattr__ (about 1 us).
+_SKIPS_SIDE_EFFECTS_UNDER_CHECKPOINT = hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")
 
 
 def _stance() -> str:

@@ -1,0 +1,241 @@
+"""The host-overhead suite of `kiln bench`: the per-step cost of regional compile where the host,
+not the arithmetic, bounds a step (small batches, thin layers, one thread), against torch's full
+compile and Accelerate's regional compile, measured so that the ratios hold on a noisy machine.
+
+Depends on the standard library and kiln.bench.plan (rows) at import; the child side imports torch,
+transformers, kiln.compile, the facade (the `accelerator` variant is `kiln.Accelerator.prepare`, as
+users write it) and, where installed, accelerate.
+
+One row is one child process holding every variant as its own copy of one model: `eager`, `full`
+(torch.compile of the whole model, compiled in place by Kiln), `regional` (`kiln.compile_regions`),
+`precompiled` (the same, ahead of time: `fullgraph=True, precompile=<folder>`), `accelerator`
+(`kiln.Accelerator(dynamo_plugin=TorchDynamoPlugin(use_regional_compilation=True)).prepare`) and
+`accelerate-regional` (Accelerate's own, when installed). After each variant's first (compiling)
+step and a warm-up, the variants are stepped in turn, `steps` rounds; a variant's ratio to `full`
+is the median of its per-round ratios, so a slow stretch of the machine hits every variant alike.
+A training step is forward, backward and zeroing the gradients (no optimizer: its cost is the
+same for every variant). The row also breaks a regional block call down (`breakdown`).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+from kiln.bench.plan import measured
+
+VARIANTS = ("eager", "full", "regional", "precompiled", "accelerator", "accelerate-regional")
+WARMUP = 5
+BREAKDOWN_CALLS = 200
+
+
+def _variant(name: str, model: Any, backend: str, folder: str) -> tuple[Any, Any]:
+    """(the callable a step runs, the model whose parameters it trains) for one variant."""
+    from kiln.compile.regions import compile_full, compile_regions
+
+    if name == "eager":
+        return model, model
+    if name == "full":
+        return compile_full(model, backend=backend), model
+    if name == "regional":
+        return compile_regions(model, backend=backend), model
+    if name == "precompiled":
+        return compile_regions(model, backend=backend, fullgraph=True, precompile=folder), model
+    if name == "accelerator":
+        from kiln import Accelerator, TorchDynamoPlugin
+
+        plugin = TorchDynamoPlugin(backend=backend, use_regional_compilation=True)
+        return Accelerator(dynamo_plugin=plugin, cpu=True).prepare(model), model
+    if name == "accelerate-regional":
+        from accelerate import Accelerator
+        from accelerate.utils import TorchDynamoPlugin
+
+        plugin = TorchDynamoPlugin(backend=backend, use_regional_compilation=True)
+        return Accelerator(dynamo_plugin=plugin, cpu=True).prepare(model), model
+    raise ValueError(f"unknown host-overhead variant {name!r}")
+
+
+def _step(run: Any, model: Any, ids: Any, train: bool) -> Callable[[], None]:
+    import torch
+
+    def step() -> None:
+        if train:
+            run(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                run(input_ids=ids, use_cache=False)
+
+    return step
+
+
+def measure(row: dict[str, Any]) -> dict[str, Any]:
+    """Every variant in this process: first steps, then `steps` rounds of one step each in turn."""
+    import torch
+
+    from kiln.bench.measure import build_model
+
+    if row.get("threads"):
+        torch.set_num_threads(row["threads"])
+    train = row["workload"] == "train"
+    base, _, ids = build_model(row)
+    base.train(train)
+    base.loss_type = base.config.loss_type = "ForCausalLM"  # see measure.measure
+    names = [n for n in row.get("variants") or VARIANTS if n != "accelerate-regional" or _has_accelerate()]
+    folder = tempfile.mkdtemp(prefix="kiln-bench-host-")
+    steps, first_s, outputs, regional = {}, {}, {}, None
+    for name in names:
+        model = copy.deepcopy(base)
+        run, trained = _variant(name, model, row["backend"], folder)
+        if name == "regional":
+            regional = model
+        steps[name] = _step(run, trained, ids, train)
+        start = time.perf_counter()
+        steps[name]()
+        first_s[name] = round(time.perf_counter() - start, 3)
+        with torch.no_grad():
+            outputs[name] = run(input_ids=ids, use_cache=False).logits.float()
+        for _ in range(WARMUP):
+            steps[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(row["steps"]):
+        for name in names:
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    result = dict(row)
+    result.update(
+        variants=names, first_s=first_s, torch=torch.__version__, threads=torch.get_num_threads(),
+        median_ms={n: round(statistics.median(t) * 1e3, 4) for n, t in times.items()},
+        max_abs_diff_vs_eager={n: round(float((o - outputs["eager"]).abs().max()), 6)
+                               for n, o in outputs.items() if "eager" in outputs},
+    )
+    if "full" in times:
+        result["ratio_to_full"] = {n: round(statistics.median(a / b for a, b in zip(t, times["full"])), 4)
+                                   for n, t in times.items()}
+    if regional is not None and not train:
+        result["breakdown"] = breakdown(regional, steps, times)
+    return result
+
+
+def _has_accelerate() -> bool:
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def breakdown(regional: Any, steps: dict[str, Callable[[], None]], times: dict[str, list[float]]) -> dict[str, float]:
+    """Where a regional inference step's time goes, in microseconds: the eager glue (the same step
+    with every block returning its input), the block calls within a step (the rest, per block), one
+    block call alone through Kiln's forward, the same call straight into the torch.compile'd entry
+    (the difference is Kiln's own Python), and the guard check and the compiled region from the
+    profiler's Dynamo events."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from kiln.compile.regions import compiled_regions
+
+    region = compiled_regions(regional)[0]
+    block = regional.get_submodule(region.paths[0])
+    captured: dict[str, Any] = {}
+
+    def capture(module: Any, args: Any, kwargs: Any) -> None:
+        captured.setdefault("call", (args, kwargs))
+
+    handle = block.register_forward_pre_hook(capture, with_kwargs=True)
+    steps["regional"]()
+    handle.remove()
+    args, kwargs = captured["call"]
+    blocks = [regional.get_submodule(p) for r in compiled_regions(regional) for p in r.paths]
+    forwards = [vars(b)["forward"] for b in blocks]
+    for b in blocks:
+        b.forward = _returns_input
+    try:
+        glue_us = _median_us(steps["regional"])
+    finally:
+        for b, f in zip(blocks, forwards):
+            b.forward = f
+    with torch.no_grad():
+        kiln_us = _median_us(lambda: block(*args, **kwargs))
+        entry_us = _median_us(lambda: region.compiled_entry(block, *args, **kwargs))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(BREAKDOWN_CALLS):
+                region.compiled_entry(block, *args, **kwargs)
+    events: dict[str, list[float]] = {}
+    for event in prof.events():
+        for key in ("TorchDynamo Cache Lookup", "Torch-Compiled Region"):
+            if event.name.startswith(key):
+                events.setdefault(key, []).append(event.cpu_time_total)
+    step_us = statistics.median(times["regional"]) * 1e6
+    out = {"step_us": round(step_us, 1), "blocks": len(blocks), "eager_glue_us": round(glue_us, 1),
+           "block_in_step_us": round((step_us - glue_us) / len(blocks), 1), "block_call_us": round(kiln_us, 1),
+           "entry_call_us": round(entry_us, 1), "kiln_python_us": round(kiln_us - entry_us, 1)}
+    for key, label in (("TorchDynamo Cache Lookup", "guards_us"), ("Torch-Compiled Region", "compiled_region_us")):
+        if key in events:
+            out[label] = round(statistics.median(events[key]), 1)
+    if "compiled_region_us" in out and "guards_us" in out:
+        out["call_outside_region_us"] = round(entry_us - out["compiled_region_us"] - out["guards_us"], 1)
+    if "full" in times:
+        out["full_step_us"] = round(statistics.median(times["full"]) * 1e6, 1)
+    return out
+
+
+def _returns_input(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+    return hidden_states
+
+
+def _median_us(call: Callable[[], Any]) -> float:
+    for _ in range(10):
+        call()
+    samples = []
+    for _ in range(BREAKDOWN_CALLS):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    names = [n for n in VARIANTS if any(n in r.get("median_ms", {}) for r in measured(rows))]
+    lines = ["| model | workload | batch | threads | " + " | ".join(f"{n} ms (x full)" for n in names)
+             + " |",
+             "| --- | --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " |"]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['model']} | {r['workload']} | {r.get('error', r.get('skipped'))[:80]} |"
+                         + " |" * (len(names) + 1))
+            continue
+        cells = []
+        for n in names:
+            if n not in r["median_ms"]:
+                cells.append("-")
+                continue
+            ratio = r.get("ratio_to_full", {}).get(n)
+            cells.append(f"{r['median_ms'][n]:.2f}" + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+        lines.append(f"| {r['model']} | {r['workload']} | {r['batch']}x{r['seq']} | {r['threads']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    text = ("Every variant of one model in one process, stepped in turn; ms: median step, (x full): the median "
+            "of the per-round ratios to torch.compile's full compile of the same model. A training step is "
+            "forward, backward and zero_grad. Cold compiles are the compile suite's (fresh processes): here "
+            f"later variants find the caches of earlier ones warm.\n\n{table(rows)}\n")
+    for r in measured(rows):
+        b = r.get("breakdown")
+        if b:
+            parts = ", ".join(f"{k} {v}" for k, v in b.items())
+            text += f"\n{r['model']} {r['workload']} {r['batch']}x{r['seq']}, a regional block call: {parts}\n"
+    return text
+
+
+def progress(result: dict[str, Any]) -> str:
+    ratios = result.get("ratio_to_full", {})
+    return ", ".join(f"{n} {ratios[n]:.2f}x" for n in ("regional", "precompiled", "accelerator",
+                                                          "accelerate-regional") if n in ratios)

@@ -1,0 +1,37 @@
+"""kiln bench --plan host-overhead: every variant of one model in one process, stepped in turn, with
+ratios to the full compile and a breakdown of a regional block call (kiln/bench/host_overhead.py)."""
+
+import pytest
+
+from kiln.bench import PLANS, build_rows
+from kiln.bench.host_overhead import VARIANTS, measure, render
+
+
+def test_the_plan_is_one_row_per_model_workload_and_batch_with_its_threads():
+    rows = build_rows("host-overhead", device="cpu")
+    assert {(r.model, r.workload, r.batch, r.threads) for r in rows} == {
+        ("host8", "infer", 1, 1), ("host8", "train", 1, 1), ("host24", "infer", 1, 1), ("host24", "train", 1, 1),
+        ("host8", "infer", 4, 2), ("host8", "train", 4, 2)}
+    assert all(r.suite == "host-overhead" for r in rows)
+    assert len(PLANS["host-overhead"]) == 2
+
+
+@pytest.mark.bench_runs
+@pytest.mark.parametrize("workload", ["infer", "train"])
+def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload):
+    row = dict(model="tiny", workload=workload, batch=1, seq=16, method="regional", mode="default",
+               backend="aot_eager", device="cpu", dtype="float32", steps=4, warmup=0, seed=0, threads=1,
+               suite="host-overhead", variant="", processes=1)
+    result = measure(row)
+    variants = [v for v in VARIANTS if v != "accelerate-regional"]
+    assert set(variants) <= set(result["variants"])
+    assert set(result["median_ms"]) == set(result["variants"]) == set(result["ratio_to_full"])
+    assert result["ratio_to_full"]["full"] == 1.0
+    assert all(diff < 1e-4 for diff in result["max_abs_diff_vs_eager"].values()), result["max_abs_diff_vs_eager"]
+    if workload == "infer":
+        b = result["breakdown"]
+        assert b["blocks"] == 4 and b["block_call_us"] > 0 and b["entry_call_us"] > 0
+        assert b["compiled_region_us"] > 0 and b["guards_us"] >= 0  # the profiler saw Dynamo's events
+        assert "a regional block call" in render([result])
+    else:
+        assert "breakdown" not in result
