@@ -42,7 +42,7 @@ from kiln.compile.artifacts.cache_key import triton_version
 from kiln.compile.artifacts.local_classes import explain_failure
 from kiln.compile.messages import first_line, guard_reason
 from kiln.compile.progress import PROGRESS
-from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, call_signature, region_key, signature_digest,
+from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, call_key, call_signature, region_key, signature_digest,
                                      signature_difference, signature_fields)
 
 MAGIC = b"KILN-PRECOMPILED\n"
@@ -130,6 +130,10 @@ class PrecompiledRegion:
         self.stats = PrecompileStats()
         self.on_compile = on_compile
         self._functions: dict[tuple, Callable | None] = {}
+        # call_key -> (function, signature) for signatures settled for good (loaded, compiled, or the
+        # JIT path) while nothing compiles in the background: the per-call lookup, without the
+        # signature's text. Emptied whenever a signature's function changes.
+        self._settled: dict[tuple, tuple[Callable | None, tuple]] = {}
         self._entries: dict[tuple[str, ...], Callable] = {}  # autocast state -> entry with it inside
         self._failed = False  # an ahead-of-time compile failed: the rest of the run is JIT
         # Train while compiling (kiln/compile/artifacts/background.py): `background` compiles in a helper
@@ -147,6 +151,23 @@ class PrecompiledRegion:
 
     # ----- per call --------------------------------------------------------------------------
     def function_for(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable | None, tuple]:
+        quiet = self.background is None and not self.background_wait
+        key = None
+        if quiet:
+            try:
+                key = call_key(module, args, kwargs)
+            except UnsupportedCall:
+                pass  # the signature below says why, in the report
+            else:
+                settled = self._settled.get(key)
+                if settled is not None:
+                    return settled
+        fn, signature = self._function_for(module, args, kwargs)
+        if key is not None and fn is not EAGER and signature in self._functions:
+            self._settled[key] = (fn, signature)
+        return fn, signature
+
+    def _function_for(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable | None, tuple]:
         try:
             threads = self.background.own_threads if self.background is not None else None
             signature = call_signature(module, args, kwargs, threads)
@@ -248,6 +269,7 @@ class PrecompiledRegion:
             if why_jit is not None:
                 del self._pending[signature]
                 self._functions[signature] = None  # the JIT path, from its next call
+                self._settled.clear()
                 self._handed_back.add(signature)
                 self._note(f"{self._signature_text(signature)}: {why_jit}; JIT-compiled after step {step}")
                 continue
@@ -285,6 +307,7 @@ class PrecompiledRegion:
                 raise
             # Raised before anything ran: Kiln's signature missed something torch guards on.
             self._functions[signature] = None
+            self._settled.clear()
             self._note(f"a loaded artifact refused a call ({guard_reason(str(exc))}): JIT path")
             return _MISSING
         self.stats.calls += 1

@@ -47,6 +47,52 @@ def call_signature(module: nn.Module, args: tuple, kwargs: dict[str, Any], num_t
     )
 
 
+def call_key(module: nn.Module, args: tuple, kwargs: dict[str, Any], num_threads: int | None = None) -> tuple:
+    """The facts of `call_signature`, as the objects themselves (dtypes, devices, sizes) instead of
+    their text: a key for a lookup at every call, about twice as fast to make. Two calls with one
+    key have one signature; a call it cannot describe raises UnsupportedCall, as the signature does."""
+    return (
+        tuple(_key(a) for a in args),
+        tuple((k, _key(v)) for k, v in kwargs.items()),
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        autocast_state(),
+        num_threads or torch.get_num_threads(),
+        *_module_keys(module),
+    )
+
+
+def _module_keys(module: nn.Module) -> tuple[tuple, tuple, tuple]:
+    """The training flags of the module tree, and its parameters' and buffers' keys, from one walk
+    of its dictionaries (`modules()` and `parameters()` build every path's name, 3x the time)."""
+    training, parameters, buffers = [], [], []
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        training.append(m.training)
+        parameters.extend(_tensor_key(p) for p in m._parameters.values() if p is not None)
+        buffers.extend(_tensor_key(b) for b in m._buffers.values() if b is not None)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return tuple(training), tuple(parameters), tuple(buffers)
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.shape, t.dtype, t.device, t.requires_grad, None if t.is_contiguous() else t.stride())
+
+
+def _key(value: Any) -> Any:
+    kind = type(value)
+    if kind is torch.Tensor or kind is nn.Parameter:
+        return _tensor_key(value)
+    if value is None or kind in (bool, int, float, str, torch.dtype, torch.device):
+        return (kind, value)
+    if kind in (tuple, list):
+        return (kind, tuple(_key(v) for v in value))
+    if kind is dict and all(type(k) is str for k in value):
+        return (dict, tuple((k, _key(v)) for k, v in sorted(value.items())))
+    raise UnsupportedCall(f"an argument of type {kind.__qualname__}")  # call_signature says it precisely
+
+
 def autocast_state() -> tuple[tuple[str, str], ...]:
     """The autocast regions active now, as (device type, dtype) pairs."""
     state = []
