@@ -390,3 +390,38 @@ def test_local_processes_compile_each_signature_once(tmp_path):
     assert results[0]["loss"] == results[1]["loss"]
     assert all(r["ran"] == "precompiled" for r in results)
     assert len(_artifacts(folder)) == 1 and not list(Path(folder).rglob("*.lock"))
+
+
+def test_the_per_call_key_changes_with_everything_the_signature_sees():
+    """Each precompiled call is looked up by `call_key`; a change the signature would see must change
+    the key too, or a settled function would run for a call it does not fit."""
+    from kiln.compile.artifacts.signatures import call_key, call_signature
+
+    block = _llama().model.layers[0]
+    hidden = torch.randn(2, 16, 32)
+    kwargs = {"position_embeddings": (torch.randn(1, 16, 8), torch.randn(1, 16, 8)), "use_cache": False}
+
+    def both():
+        return call_key(block, (hidden,), kwargs), call_signature(block, (hidden,), kwargs)
+
+    first_key, first_signature = both()
+    assert both() == (first_key, first_signature)  # the same call: the same key
+    changes = {
+        "eval": lambda: block.eval(),
+        "a submodule's flag": lambda: block.mlp.train(),
+        "dtype in place (model.to)": lambda: block.mlp.down_proj.to(torch.float64),
+        "requires_grad": lambda: block.input_layernorm.weight.requires_grad_(False),
+        "a parameter replaced by one of another shape": lambda: setattr(
+            block.mlp.up_proj, "weight", torch.nn.Parameter(torch.randn(65, 32))),
+        "a keyword's value": lambda: kwargs.update(use_cache=None),
+        "grad mode": lambda: torch.set_grad_enabled(False),
+    }
+    try:
+        for what, change in changes.items():
+            key, signature = both()
+            change()
+            new_key, new_signature = both()
+            assert new_signature != signature, what
+            assert new_key != key, what
+    finally:
+        torch.set_grad_enabled(True)
