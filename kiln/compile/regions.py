@@ -85,11 +85,10 @@ class CompiledRegion:
     group: tuple[int, int] = (1, 1)  # (this group, the class's groups): instances split by their graphs
     group_differs: str = ""  # how this group's instances differ from the class's first group
     cache_notes: dict[str, str] = field(default_factory=dict)  # KV cache class -> how calls got it (kv_cache.py)
+    checkpointed: bool = False  # its instances run under Kiln's activation checkpointing (set at compile)
 
-    @property
-    def checkpointed(self) -> bool:
-        """Its instances run under Kiln's activation checkpointing (kiln/activation_checkpointing.py)."""
-        return hasattr(self.base_forward, "_kiln_checkpointed")
+    def __post_init__(self) -> None:
+        self.checkpointed = hasattr(self.base_forward, "_kiln_checkpointed")
 
     @property
     def instances(self) -> int:
@@ -405,40 +404,40 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     """The forward every instance runs: the compiled entry, plus the counting that proves it ran."""
     backend = region.backend
 
+    # One frame per call (issue 34 counts each block call's microseconds): the live compile line
+    # learns the region from PROGRESS, restored on the way out.
     def forward(module, *args, **kwargs):
         outer = PROGRESS.enter(region.name)  # names the region in the live compile line
         try:
-            return run(module, *args, **kwargs)
+            handed_back = False  # a signature the background helper gave back to the JIT path
+            precompiled = region.precompiled
+            if precompiled is not None and _stance() == "default":
+                fn, signature = precompiled.function_for(module, args, kwargs)
+                handed_back = fn is None and precompiled.take_handback(signature)
+                if fn is EAGER:  # compiling in the background: this call runs the block's own forward
+                    region.invocations += 1
+                    region.eager_calls += 1
+                    precompiled.stats.background_eager_calls += 1
+                    return region.base_forward(module, *args, **kwargs)
+                if fn is not None:
+                    output = precompiled.call(fn, signature, module, args, kwargs)
+                    if output is not _NOT_RUN:
+                        region.invocations += 1
+                        return output
+            graphs, calls = len(backend.graphs), backend.calls
+            if kwargs:
+                kwargs = _with_block_caches(region, module, kwargs)
+            with _under_checkpointing(region, module):
+                output = compiled(module, *args, **kwargs)
+            region.invocations += 1
+            if backend.calls == calls:
+                region.eager_calls += 1
+                MONITOR.after_eager_call(region)
+            if len(backend.graphs) != graphs:
+                MONITOR.after_compile(region, policy=not handed_back)
+            return output
         finally:
             PROGRESS.region = outer
-
-    def run(module, *args, **kwargs):
-        handed_back = False  # a signature the background helper gave back to the JIT path
-        if region.precompiled is not None and _stance() == "default":
-            fn, signature = region.precompiled.function_for(module, args, kwargs)
-            handed_back = fn is None and region.precompiled.take_handback(signature)
-            if fn is EAGER:  # compiling in the background: this call runs the block's own forward
-                region.invocations += 1
-                region.eager_calls += 1
-                region.precompiled.stats.background_eager_calls += 1
-                return region.base_forward(module, *args, **kwargs)
-            if fn is not None:
-                output = region.precompiled.call(fn, signature, module, args, kwargs)
-                if output is not _NOT_RUN:
-                    region.invocations += 1
-                    return output
-        graphs, calls = len(backend.graphs), backend.calls
-        if kwargs:
-            kwargs = _with_block_caches(region, module, kwargs)
-        with _under_checkpointing(region, module):
-            output = compiled(module, *args, **kwargs)
-        region.invocations += 1
-        if backend.calls == calls:
-            region.eager_calls += 1
-            MONITOR.after_eager_call(region)
-        if len(backend.graphs) != graphs:
-            MONITOR.after_compile(region, policy=not handed_back)
-        return output
 
     forward._kiln_region = region  # lets _already_compiled recognise Kiln's forwards
     return forward

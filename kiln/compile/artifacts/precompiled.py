@@ -42,8 +42,9 @@ from kiln.compile.artifacts.cache_key import triton_version
 from kiln.compile.artifacts.local_classes import explain_failure
 from kiln.compile.messages import first_line, guard_reason
 from kiln.compile.progress import PROGRESS
-from kiln.compile.artifacts.signatures import (FORMAT_VERSION, UnsupportedCall, call_key, call_signature, region_key, signature_digest,
-                                     signature_difference, signature_fields)
+from kiln.compile.artifacts.signatures import (AUTOCAST_FIELD, FORMAT_VERSION, UnsupportedCall, call_key,
+                                               call_signature, region_key, signature_difference,
+                                               signature_digest, signature_fields)
 
 MAGIC = b"KILN-PRECOMPILED\n"
 SUFFIX = ".kpc"
@@ -298,10 +299,13 @@ class PrecompiledRegion:
 
     def call(self, fn: Callable, signature: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
         """Run a precompiled function with autocast switched off around it (it is inside)."""
-        state = dict(signature)["autocast"]
+        state = signature[AUTOCAST_FIELD][1]
         try:
-            with as_class(module, self.block_class):
-                output = self._run(fn, state, module, args, kwargs)
+            if not state and type(module) is self.block_class:
+                output = fn(module, *args, **kwargs)  # nothing to switch: no context to enter
+            else:
+                with as_class(module, self.block_class):
+                    output = self._run(fn, state, module, args, kwargs)
         except RuntimeError as exc:
             if _GUARD_FAILURE not in str(exc):
                 raise

@@ -27,6 +27,9 @@ class UnsupportedCall(Exception):
 
 # ---------------------------------------------------------------- signatures
 
+AUTOCAST_FIELD = 4  # call_signature's ("autocast", state) pair, read at every precompiled call
+
+
 def call_signature(module: nn.Module, args: tuple, kwargs: dict[str, Any], num_threads: int | None = None) -> tuple:
     """Everything about one call that decides which compiled code fits it, as a hashable tuple:
     each argument (tensors by shape, dtype, device, strides when not contiguous, requires_grad;

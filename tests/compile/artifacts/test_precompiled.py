@@ -395,7 +395,7 @@ def test_local_processes_compile_each_signature_once(tmp_path):
 def test_the_per_call_key_changes_with_everything_the_signature_sees():
     """Each precompiled call is looked up by `call_key`; a change the signature would see must change
     the key too, or a settled function would run for a call it does not fit."""
-    from kiln.compile.artifacts.signatures import call_key, call_signature
+    from kiln.compile.artifacts.signatures import AUTOCAST_FIELD, call_key, call_signature
 
     block = _llama().model.layers[0]
     hidden = torch.randn(2, 16, 32)
@@ -405,6 +405,7 @@ def test_the_per_call_key_changes_with_everything_the_signature_sees():
         return call_key(block, (hidden,), kwargs), call_signature(block, (hidden,), kwargs)
 
     first_key, first_signature = both()
+    assert first_signature[AUTOCAST_FIELD][0] == "autocast"  # where each precompiled call reads it
     assert both() == (first_key, first_signature)  # the same call: the same key
     changes = {
         "eval": lambda: block.eval(),
