@@ -6,6 +6,7 @@ Depends on every Kiln module; nothing in Kiln imports it back.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import warnings
 import weakref
@@ -185,7 +186,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
                               UserWarning, stacklevel=3)
             return SingleProcess()
         if fsdp_plugin is not None:
-            return FSDPStrategy(fsdp_plugin)
+            return FSDPStrategy(fsdp_plugin, self.device)
         if deepspeed_plugin is not None:
             return DeepSpeedStrategy(deepspeed_plugin, self.precision.mode, self.gradient_accumulation_steps,
                                      split_batches=self.dataloader_config.split_batches)
@@ -235,8 +236,13 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         """Device, fp8's float8 linear layers, activation checkpointing, compile (in place), the
         precision wrapper around the compiled forward, and last the strategy (DDP wrapper, FSDP2 shards)."""
         self._refuse_second_prepare(model)
-        refuse_empty_tensors(model)  # before .to(): a meta tensor fails there deep inside torch
-        if device_placement if device_placement is not None else self.device_placement:
+        # cpu_ram_efficient_loading: a process other than the main one may hold empty (meta) weights,
+        # which the strategy replaces with the main process's once sharded.
+        receives = self.strategy.receives_weights_from_main() and not evaluation_mode
+        if not receives:
+            refuse_empty_tensors(model)  # before .to(): a meta tensor fails there deep inside torch
+        if (device_placement if device_placement is not None else self.device_placement) and \
+                not (receives and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))):
             model.to(self.device)
         # fp8 swaps linear layers for torchao's Float8Linear before anything is compiled, so the
         # compiled graphs hold the float8 matmuls (torchtitan's order: float8, checkpointing, compile).
@@ -265,7 +271,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           device_placement: bool | None = None) -> PreparedOptimizer:
         self._refuse_second_prepare(optimizer)
-        refuse_empty_optimizer(optimizer)
+        if not self.strategy.receives_weights_from_main():  # its meta parameters are replaced at prepare
+            refuse_empty_optimizer(optimizer)
         if (device_placement if device_placement is not None else self.device_placement) and optimizer.state:
             # Loaded optimizer state may sit on another device; a state_dict round trip moves it
             # next to the parameters (Optimizer.load_state_dict casts to each parameter's device).

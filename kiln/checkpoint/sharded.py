@@ -76,3 +76,25 @@ def _by_name(model: nn.Module, optimizer: torch.optim.Optimizer, native: dict[st
         groups.append({**saved_group, "params": fqns})
     state = {positions[position]: value for position, value in native["state"].items()}
     return {"state": state, "param_groups": groups}
+
+
+def whole_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A collective: the sharded `optimizer`'s state gathered whole, keyed as `optimizer.state_dict()`
+    keys it on one process of the plain loop (by position in the parameter groups), so a whole
+    checkpoint reads the same whoever wrote it. The main process gets it; the others get {}."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not by_name:
+        return {}
+    names = {id(p): name for name, p in model.named_parameters()}
+    position: dict[str, int] = {}
+    groups = []
+    for saved_group, live_group in zip(by_name["param_groups"], optimizer.param_groups):
+        start = len(position)
+        fqns = [names[id(p)] for p in live_group["params"]]
+        position.update({fqn: start + i for i, fqn in enumerate(fqns)})
+        groups.append({**saved_group, "params": [position[fqn] for fqn in fqns]})
+    state = {position[fqn]: value for fqn, value in by_name["state"].items()}
+    return {"state": dict(sorted(state.items())), "param_groups": groups}

@@ -70,6 +70,11 @@ def _optimizers_of(model: torch.nn.Module, optimizers: list) -> list:
     return [opt for opt in optimizers if any(id(p) in params for g in opt.param_groups for p in g["params"])]
 
 
+def _model_of(optimizer: Any, models: list) -> torch.nn.Module | None:
+    """The prepared model whose parameters `optimizer` steps (None: none of them)."""
+    return next((model for model in models if _optimizers_of(model, [optimizer])), None)
+
+
 def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy: Strategy, optimizers: list,
                         schedulers: list, dataloaders: list, custom: list, scaler: Any, process_index: int,
                         num_processes: int, is_main_process: bool, barrier: Any,
@@ -80,7 +85,7 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
     is the user's), in prepare order. Each of `save_hooks` is called as in Accelerate,
     `hook(models, weights, folder)`, on every process before the weights are written: it may write
     files of its own into `folder` (they move with the checkpoint) and pop the state dicts it saved
-    itself from `weights` (whole checkpoints; `weights` is empty with a sharding strategy)."""
+    itself from `weights` (whole checkpoints; `weights` is empty when the strategy writes shards)."""
     target = Path(output_dir).resolve()
     staging = target.with_name(f".{target.name}{STAGING_SUFFIX}")
     if is_main_process:
@@ -88,21 +93,24 @@ def save_training_state(output_dir: str | os.PathLike, *, models: list, strategy
         staging.mkdir(parents=True)
     barrier()
     files = [f"random_states_{rank}.pkl" for rank in range(num_processes)]
-    state_dicts = [] if strategy.sharded_checkpoints else \
-        [clean_state_dict(strategy.full_state_dict(model)) for model in models]
+    shards = strategy.saves_shards
+    # Whole files: gathered by every process (a collective for sharded models), written by the main one.
+    state_dicts = [] if shards else [clean_state_dict(strategy.full_state_dict(model)) for model in models]
+    optimizer_states = [] if shards else [strategy.whole_optimizer_state(_model_of(opt, models), opt.optimizer)
+                                          for opt in optimizers]
     for hook in save_hooks:
         hook(list(models), state_dicts, str(staging))
-    if strategy.sharded_checkpoints:
+    if shards:
         for i, model in enumerate(models):  # a collective: every process writes its shard
             owned = [opt.optimizer for opt in _optimizers_of(model, optimizers)]
             files.append(strategy.save_sharded(staging, i, model, owned))
     if is_main_process:
-        if not strategy.sharded_checkpoints:
+        if not shards:
             for i, state_dict in enumerate(state_dicts):
                 save_state_dict(state_dict, staging / f"model_{i}")
                 files.append(f"model_{i}")
-            for i, opt in enumerate(optimizers):
-                torch.save(opt.state_dict(), staging / f"optimizer_{i}.bin")
+            for i, state in enumerate(optimizer_states):
+                torch.save(state, staging / f"optimizer_{i}.bin")
                 files.append(f"optimizer_{i}.bin")
         for prefix, objects in (("scheduler", schedulers), ("custom", custom)):
             for i, obj in enumerate(objects):

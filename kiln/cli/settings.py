@@ -68,6 +68,28 @@ def _json_file(value: Any) -> str:
     return str(path)
 
 
+def _fsdp_version(value: Any) -> int:
+    if str(value).strip() != "2":
+        raise ValueError(f"{value!r}: Kiln shards with FSDP2 only; use 2")
+    return 2
+
+
+def _class_names(value: Any) -> str:
+    """Accelerate writes one class name or several joined by commas; a YAML list is taken as well."""
+    names = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    names = [str(name).strip() for name in names if str(name).strip()]
+    if not names:
+        raise ValueError(f"{value!r} names no class")
+    return ",".join(names)
+
+
+def _state_dict_type(value: Any) -> str:
+    text = str(value).strip().upper()
+    if text not in ("SHARDED_STATE_DICT", "FULL_STATE_DICT"):
+        raise ValueError(f"{value!r} is not one of: SHARDED_STATE_DICT, FULL_STATE_DICT")
+    return text
+
+
 def _non_negative(value: Any) -> int:
     number = int(value)
     if number < 0:
@@ -111,6 +133,23 @@ SETTINGS = (
             "where ZeRO keeps optimizer state: none or cpu", "deepspeed"),
     Setting("offload_param_device", None, _choice(("none", "cpu")), "KILN_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
             "where ZeRO-3 keeps parameters: none or cpu", "deepspeed"),
+    # FSDP2, under Accelerate's names (kiln.parallel.fsdp_plugin reads the FSDP_* variables).
+    Setting("fsdp_version", None, _fsdp_version, "FSDP_VERSION", "FSDP version: 2 (the only one)", "fsdp"),
+    Setting("fsdp_auto_wrap_policy", None, _choice(("transformer_based_wrap", "size_based_wrap", "no_wrap")),
+            "FSDP_AUTO_WRAP_POLICY", "units sharded on their own (default: each repeated block)", "fsdp"),
+    Setting("fsdp_transformer_layer_cls_to_wrap", None, _class_names, "FSDP_TRANSFORMER_CLS_TO_WRAP",
+            "block classes transformer_based_wrap shards, comma-separated", "fsdp"),
+    Setting("fsdp_min_num_params", None, _positive, "FSDP_MIN_NUM_PARAMS",
+            "size_based_wrap shards modules holding more parameters than this", "fsdp"),
+    Setting("fsdp_state_dict_type", None, _state_dict_type, "FSDP_STATE_DICT_TYPE",
+            "what save_state writes: SHARDED_STATE_DICT or FULL_STATE_DICT", "fsdp"),
+    Setting("fsdp_reshard_after_forward", None, _bool, "FSDP_RESHARD_AFTER_FORWARD",
+            "free gathered parameters after each unit's forward", "fsdp"),
+    Setting("fsdp_activation_checkpointing", None, _bool, "FSDP_ACTIVATION_CHECKPOINTING",
+            "recompute each block's activations in backward", "fsdp"),
+    Setting("fsdp_cpu_ram_efficient_loading", None, _bool, "FSDP_CPU_RAM_EFFICIENT_LOADING",
+            "process 0's weights are broadcast to the others at prepare", "fsdp"),
+    Setting("fsdp_offload_params", None, _bool, "FSDP_OFFLOAD_PARAMS", "keep shards on the CPU", "fsdp"),
     Setting("process_group_timeout", 600, _positive, "KILN_PROCESS_GROUP_TIMEOUT",
             "seconds a collective waits for a lost process"),
     Setting("max_restarts", 0, _non_negative, None,
@@ -130,10 +169,37 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     raw = yaml.safe_load(file.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{file} must hold a mapping of settings, not {type(raw).__name__}")
+    raw = _flatten_fsdp_config(raw, file)
+    refused = sorted(set(raw) & set(FSDP1_SETTINGS))
+    if refused:
+        raise ValueError(f"{file}: {', '.join(refused)}: FSDP1 setting(s); Kiln shards with FSDP2, which has no such "
+                         f"setting ({'; '.join(f'{name}: {FSDP1_SETTINGS[name]}' for name in refused)})")
     unknown = sorted(set(raw) - set(BY_NAME))
     if unknown:
         raise ValueError(f"{file}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     return {name: _parse(name, value, str(file)) for name, value in raw.items()}
+
+
+# Accelerate's FSDP1 keys, and what FSDP2 does instead.
+FSDP1_SETTINGS = {
+    "fsdp_sharding_strategy": "use fsdp_reshard_after_forward (true for FULL_SHARD, false for SHARD_GRAD_OP)",
+    "fsdp_backward_prefetch": "FSDP2 prefetches by itself", "fsdp_forward_prefetch": "FSDP2 prefetches by itself",
+    "fsdp_use_orig_params": "FSDP2 always trains the original parameters",
+    "fsdp_sync_module_states": "use fsdp_cpu_ram_efficient_loading",
+}
+
+
+def _flatten_fsdp_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    """Accelerate's files nest the FSDP keys under `fsdp_config:`; they are the same settings here."""
+    nested = raw.get("fsdp_config")
+    if nested is None:
+        return {k: v for k, v in raw.items() if k != "fsdp_config"}
+    if not isinstance(nested, dict):
+        raise ValueError(f"{file}: fsdp_config must be a mapping of fsdp_* settings")
+    clash = sorted(set(nested) & set(raw))
+    if clash:
+        raise ValueError(f"{file}: {', '.join(clash)} given both inside fsdp_config and at the top level")
+    return {**{k: v for k, v in raw.items() if k != "fsdp_config"}, **nested}
 
 
 def _parse(name: str, value: Any, source: str) -> Any:

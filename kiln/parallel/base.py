@@ -25,7 +25,7 @@ class Strategy:
 
     name = "base"
     distributed_type: DistributedType | None = None  # None: the process state's own type
-    sharded_checkpoints = False  # True: save_state writes each process's shard (DCP)
+    sharded_checkpoints = False  # True: the weights live in shards; whole checkpoints are loaded into them
     activation_checkpointing = False  # True: prepare checkpoints each repeated block first
     owns_backward = False  # True: backward, the optimizer step, clipping and loss scaling are its own
     # True: every process holds the whole model and, inside no_sync, steps it from its own gradients
@@ -79,9 +79,24 @@ class Strategy:
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Point the optimizer at the parameters the strategy made (sharding replaces them)."""
 
+    @property
+    def saves_shards(self) -> bool:
+        """True: save_state writes each process's shards (DCP); False: whole files, from the main process."""
+        return self.sharded_checkpoints
+
+    def receives_weights_from_main(self) -> bool:
+        """True: this process's weights are replaced by the main process's at prepare, so they may be
+        empty (meta) until then."""
+        return False
+
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The whole model's weights under its plain names (a collective for sharded models)."""
         return self.unwrap(model).state_dict()
+
+    def whole_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer.state_dict()` as one process of the plain loop would hold it (a collective for
+        sharded models; the main process's is the one written)."""
+        return optimizer.state_dict()
 
     def save_sharded(self, folder: Path, index: int, model: nn.Module,
                      optimizers: list[torch.optim.Optimizer]) -> str:

@@ -1,51 +1,37 @@
-"""FSDP2 (`fully_shard`): each repeated block is sharded on its own, then the root; parameters,
-gradients and optimizer state live in shards, and checkpoints are written per process with
-torch.distributed.checkpoint.
+"""FSDP2 (`fully_shard`): each unit the plugin chooses (by default each repeated block) is sharded
+on its own, then the root; parameters, gradients and optimizer state live in shards, and
+checkpoints are written per process with torch.distributed.checkpoint, or whole.
 
-Depends on torch, kiln.checkpoint.sharded and kiln.parallel.base only. The blocks arrive compiled in place; FSDP2's hooks
-gather each block's parameters around its compiled forward (DESIGN.md: compile each block, then
-shard each block, then the root).
+Depends on torch, kiln.checkpoint.sharded, kiln.parallel.base and kiln.parallel.fsdp_plugin only.
+The blocks arrive compiled in place; FSDP2's hooks gather each block's parameters around its
+compiled forward (DESIGN.md: compile each block, then shard each block, then the root).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import inspect
+import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
-from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp
+from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp, whole_optimizer_state
 from kiln.parallel.base import Strategy
+from kiln.parallel.fsdp_plugin import FullyShardedDataParallelPlugin, ignored_parameters, shard_units
 from kiln.state import DistributedType
 
-_DTYPES = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class FullyShardedDataParallelPlugin:
-    """FSDP2 settings.
-
-    reshard_after_forward: free each block's gathered parameters after its forward (less memory,
-    one more all-gather in backward; the arithmetic is the same). mixed_precision: None or "no"
-    keeps the parameters fp32, and the Accelerator's `mixed_precision` autocasts around them, the
-    plain loop's arithmetic (Accelerate's FSDP2 default too); "bf16" or "fp16" has FSDP cast the
-    gathered parameters to that dtype (half the all-gather traffic, but every op then runs on half
-    weights: embeddings and the residual stream too, not only what autocast casts). Gradients are
-    always reduced in fp32. activation_checkpointing: recompute each block's activations in
-    backward (applied before compile, so it lives inside each compiled block).
-    """
-
-    reshard_after_forward: bool = True
-    mixed_precision: str | None = None
-    activation_checkpointing: bool = False
-
-    def __post_init__(self) -> None:
-        if self.mixed_precision is not None and self.mixed_precision not in _DTYPES:
-            raise ValueError(f"unknown FSDP mixed_precision {self.mixed_precision!r}; choose one of: "
-                             f"{', '.join(_DTYPES)}")
+def _refuse_units_inside_regions(units: list[str], regions: list[str]) -> None:
+    """FSDP2's hooks are opaque to Dynamo (torch 2.13: "Attempted to call function marked as
+    skipped"), so a unit inside a compiled block would break its graph: a clear error instead."""
+    inside = [(unit, region) for unit in units for region in regions if unit.startswith(region + ".")]
+    if inside:
+        unit, region = inside[0]
+        raise ValueError(f"FSDP unit {unit!r} lies inside the compiled block {region!r} ({len(inside)} such unit(s)): "
+                         "FSDP2's hooks cannot run inside a compiled graph. Shard whole blocks (auto_wrap_policy=None, "
+                         "or transformer_based_wrap naming the block class) or raise min_num_params")
 
 
 class FSDPStrategy(Strategy):
@@ -53,25 +39,84 @@ class FSDPStrategy(Strategy):
     distributed_type = DistributedType.FSDP
     sharded_checkpoints = True
 
-    def __init__(self, plugin: FullyShardedDataParallelPlugin) -> None:
+    def __init__(self, plugin: FullyShardedDataParallelPlugin, device: torch.device | None = None) -> None:
         self.plugin = plugin
+        self.device = device or torch.device("cpu")
         self.activation_checkpointing = plugin.activation_checkpointing
-        self.param_dtype = _DTYPES[plugin.mixed_precision or "no"]
         self._new_parameter: dict[int, nn.Parameter] = {}  # id(old parameter) -> its sharded successor
+        self._regions_compiled = False
+
+    def check_compile(self, dynamo_plugin: Any) -> None:
+        self._regions_compiled = bool(dynamo_plugin is not None and dynamo_plugin.enabled and
+                                      dynamo_plugin.use_regional_compilation)
+
+    @property
+    def saves_shards(self) -> bool:
+        return not self.plugin.writes_whole_checkpoints
+
+    def receives_weights_from_main(self) -> bool:
+        import torch.distributed as dist
+
+        return self.plugin.cpu_ram_efficient_loading and dist.is_initialized() and dist.get_rank() != 0
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=torch.float32)
+        options: dict[str, Any] = {"mp_policy": self.plugin.mp_policy(),
+                                   "reshard_after_forward": self.plugin.reshard_after_forward,
+                                   "offload_policy": self.plugin.offload_policy()}
+        ignored = ignored_parameters(model, self.plugin.ignored_modules)
+        if ignored:
+            if "ignored_params" not in inspect.signature(fully_shard).parameters:  # torch < 2.7
+                raise ValueError("ignored_modules needs fully_shard's ignored_params (torch 2.7 or later); "
+                                 f"this is torch {torch.__version__}")
+            options["ignored_params"] = ignored
+            if any(p.requires_grad for p in ignored):
+                warnings.warn("ignored_modules holds trainable parameters: FSDP2 neither shards them nor averages "
+                              "their gradients over the processes, so each process trains its own copy (as in "
+                              "Accelerate); freeze them or sync them yourself for the plain loop's numbers",
+                              UserWarning, stacklevel=4)
+        units = shard_units(model, self.plugin, block_paths)
+        if self._regions_compiled:
+            _refuse_units_inside_regions(units, block_paths)
         names = {id(p): name for name, p in model.named_parameters()}
-        # Blocks first, each its own unit, so only one block's parameters are gathered at a time.
-        for path in block_paths:
-            fully_shard(model.get_submodule(path), mp_policy=policy,
-                        reshard_after_forward=self.plugin.reshard_after_forward)
-        fully_shard(model, mp_policy=policy, reshard_after_forward=self.plugin.reshard_after_forward)
+        loading = self._weights_to_broadcast(model)
+        # Units first, each its own, deepest first, so only one unit's parameters are gathered at a time.
+        for path in units:
+            fully_shard(model.get_submodule(path), **options)
+        fully_shard(model, **options)
+        if loading is not None:
+            loading(model)
         sharded = dict(model.named_parameters())
         self._new_parameter.update({old: sharded[name] for old, name in names.items()})
         return model
+
+    def _weights_to_broadcast(self, model: nn.Module) -> Any:
+        """cpu_ram_efficient_loading: the main process keeps its weights to broadcast once sharded;
+        every other process drops its own to the meta device (no memory) and, once sharded,
+        allocates its shards and receives the main process's values into them. None otherwise."""
+        if not self.plugin.cpu_ram_efficient_loading:
+            return None
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        main = dist.get_rank() == 0
+        full = model.state_dict() if main else {}
+        # Buffers outside the state dict (rotary tables) are sent as well: nothing else carries them.
+        transient = [(module, name) for module in model.modules() for name in module._non_persistent_buffers_set
+                     if module._buffers.get(name) is not None]
+        if not main:
+            model.to(torch.device("meta"))
+
+        def receive(sharded: nn.Module) -> None:
+            if not main:
+                sharded.to_empty(device=self.device)
+            set_model_state_dict(sharded, full, options=StateDictOptions(full_state_dict=True,
+                                                                        broadcast_from_rank0=True))
+            for module, name in transient:
+                dist.broadcast(module._buffers[name], src=0)
+
+        return receive
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer.state:
@@ -87,6 +132,9 @@ class FSDPStrategy(Strategy):
             yield
         finally:
             model.set_requires_gradient_sync(True)
+
+    def whole_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return whole_optimizer_state(model, optimizer)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -159,6 +159,35 @@ def test_fsdp2_fp16_overflow_in_one_ranks_shard_skips_the_step_on_every_rank(tmp
 
 
 LLAMA_SGD = ("--model", "llama", "--optimizer", "sgd", "--lr", "0.05")
+# Accelerate's FSDP2 plugin as its docs write it (plus rank 0's weights broadcast to the others).
+ACCELERATE_FSDP2 = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wrap",
+                    "transformer_cls_names_to_wrap": ["LlamaDecoderLayer"], "state_dict_type": "FULL_STATE_DICT",
+                    "cpu_ram_efficient_loading": True, "reshard_after_forward": True}
+
+
+def test_fsdp2_as_accelerate_writes_it_trains_like_one_process_and_resumes_from_whole_files(tmp_path, shared_run):
+    """Accelerate's FSDP2 fields, with regional compile: each LlamaDecoderLayer its own unit; the
+    second process builds its model empty (meta) and gets the first's weights at prepare; save_state
+    writes whole files (FULL_STATE_DICT), the optimizer's in the plain loop's format, and a fresh
+    launch resumes from them with the unbroken run's losses."""
+    common = ["--model", "llama", "--epochs", "2", "--clip", "none", "--constant-lr"]
+    single = shared_run(1, *common)
+    flags = [*common, "--fsdp", "--fsdp-plugin", json.dumps(ACCELERATE_FSDP2), "--empty-off-main"]
+    whole = run_worker(tmp_path, 2, *flags, "--save-at", "1", "--keep-training")
+    assert whole["distributed_type"] == "FSDP"
+    assert whole["fsdp_units"] == ["", "model.layers.0", "model.layers.1", "model.layers.2"]
+    for a, b in zip(single["losses"], whole["losses"]):  # the meta process trained on the main one's weights
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (single["losses"], whole["losses"])
+    assert all(calls > 0 for calls in whole["calls"])
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "optimizer_0.bin" in files and "model_0" in files and not any(f.startswith("sharded_") for f in files)
+    import torch
+    saved = torch.load(tmp_path / "ckpt/optimizer_0.bin", weights_only=True)
+    assert sorted(saved["state"]) == list(range(len(whole["keys"])))  # by position, one entry a parameter
+    assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    resumed = run_worker(tmp_path, 2, *flags, "--resume-from", str(tmp_path / "ckpt"))
+    for a, b in zip(resumed["losses"], whole["losses"][1:]):
+        assert abs(a - b) < 1e-5, (resumed["losses"], whole["losses"])
 
 
 def test_bf16_gives_the_same_numbers_under_ddp_fsdp2_and_deepspeed(shared_run):

@@ -155,6 +155,10 @@ def main() -> None:
     parser.add_argument("--fsdp", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--fsdp-mixed-precision", default=None, help="FSDP2's own parameter dtype (opt-in)")
+    parser.add_argument("--fsdp-plugin", type=json.loads, default={},
+                        help="more FullyShardedDataParallelPlugin fields, as JSON (Accelerate's names)")
+    parser.add_argument("--empty-off-main", action="store_true",
+                        help="every process but the main one builds its model on the meta device (no values)")
     parser.add_argument("--zero-stage", type=int, default=None, help="train with DeepSpeed at this ZeRO stage")
     parser.add_argument("--save-model", default=None)
     parser.add_argument("--teacher", action="store_true", help="also prepare a frozen model and distil from it")
@@ -190,7 +194,7 @@ def main() -> None:
                                                                 split_batches=args.split_batches),
                       fsdp_plugin=FullyShardedDataParallelPlugin(
                           activation_checkpointing=args.activation_checkpointing,
-                          mixed_precision=args.fsdp_mixed_precision) if args.fsdp else None,
+                          mixed_precision=args.fsdp_mixed_precision, **args.fsdp_plugin) if args.fsdp else None,
                       deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.ds_config, zero_stage=args.zero_stage,
                                                        gradient_clipping=args.clip)
                       if args.zero_stage is not None else None)
@@ -200,7 +204,11 @@ def main() -> None:
     if args.eval_stream:
         eval_data = Stream(args.eval_samples)
     eval_loader = DataLoader(eval_data, batch_size=4 if args.split_batches else 3)
-    model = build_model(args)
+    if args.empty_off_main and not acc.is_main_process:
+        with torch.device("meta"):
+            model = build_model(args)
+    else:
+        model = build_model(args)
     optimizer = build_optimizer(args, model)
     # Halving the rate each step makes a scheduler that did not reach the optimizer change the losses.
     # A prepared scheduler ticks once per process per optimizer step (as in Accelerate), so the
@@ -271,6 +279,8 @@ def main() -> None:
     compiled_ahead = sum(r.precompiled.stats.compiled for r in compiled_regions(acc.unwrap_model(model))
                          if r.precompiled is not None)
     notes = [n for r in acc.compile_report().regions for n in r.precompile_notes]
+    units = [name for name, m in acc.unwrap_model(model).named_modules()
+             if type(m).__name__.startswith("FSDP")]  # FSDP2 gives each sharded module a class FSDP<Class>
     full = acc.get_state_dict(model)  # consolidated, plain keys, on every process
     checksum = sum(t.double().sum().item() for t in full.values())
     if args.save_model:
@@ -289,7 +299,7 @@ def main() -> None:
                        "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
                        "distributed_type": str(acc.distributed_type.value), "keys": sorted(full), "lrs": lrs,
-                       "load_report": report}, handle)
+                       "load_report": report, "fsdp_units": units}, handle)
     acc.end_training()
 
 
