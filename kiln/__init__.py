@@ -16,6 +16,7 @@ from kiln.kwargs_handlers import (AutocastKwargs, DDPCommunicationHookType, Dist
                                   GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
 from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
+from kiln.parallel.parallelism_config import ParallelismConfig
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.project import ProjectConfiguration
 from kiln.state import AcceleratorState, DistributedType, PartialState
@@ -37,6 +38,7 @@ __all__ = [
     "DistributedDataParallelKwargs",
     "DistributedType",
     "FullyShardedDataParallelPlugin",
+    "ParallelismConfig",
     "GradScalerKwargs",
     "InitProcessGroupKwargs",
     "LoadReport",

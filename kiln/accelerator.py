@@ -32,6 +32,7 @@ from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
 from kiln.parallel.deepspeed_config_optimizer import DummyScheduler, refuse_without_engine
 from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
+from kiln.parallel.parallelism_config import ParallelismConfig, build_parallelism
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.precision import Precision, remove_precision_wrapper
 from kiln.process_api import ProcessAPI
@@ -70,6 +71,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         kwargs_handlers: list[KwargsHandler] | None = None,
         dynamo_backend: str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        parallelism_config: ParallelismConfig | None = None,
         **unsupported: Any,
     ) -> None:
         refuse_unsupported_arguments(unsupported, rng_types=rng_types, deepspeed_plugin=deepspeed_plugin)
@@ -96,9 +98,12 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
                                  "itself: set its loss scaling in the DeepSpeed config's fp16 section")
             self.precision.scaler = None  # the engine scales fp16 losses itself
         self.strategy.check_compile(self.dynamo_plugin)
+        # The mesh of the parallel dimensions (a collective), which FSDP2 shards over (HSDP on two).
+        self.state.parallelism_config, self.state.device_mesh = build_parallelism(
+            parallelism_config, self.num_processes, self.strategy, self.device.type)
         self.state.mixed_precision = self.precision.mode
         self.state.dynamo_plugin = self.dynamo_plugin
-        self.state.fsdp_plugin = fsdp_plugin if self.strategy.name == "fsdp" else None
+        self.state.fsdp_plugin = self.strategy.plugin if self.strategy.name == "fsdp" else None
         self.state.deepspeed_plugin = deepspeed_plugin if self.strategy.name == "deepspeed" else None
         if self.strategy.distributed_type is not None:
             self.state.distributed_type = self.strategy.distributed_type

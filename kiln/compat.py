@@ -18,8 +18,6 @@ _UNSUPPORTED_ARGUMENTS = {
     "megatron_lm_plugin": "Megatron-LM is not supported; use FSDP2 (fsdp_plugin=) or DeepSpeed",
     "deepspeed_plugins": "several DeepSpeed plugins (one per model) are not supported; Kiln trains one model "
                          "per DeepSpeed engine: pass deepspeed_plugin=",
-    "parallelism_config": "ParallelismConfig (tensor, context or sequence parallelism) is not supported; use "
-                          "fsdp_plugin= or deepspeed_plugin=",
 }
 
 
@@ -116,17 +114,34 @@ class AccelerateCompat:
         """Whether this process writes model files (the main one; sharded saves gather there)."""
         return self.is_main_process
 
-    # ----- parallelism Kiln does not do: data parallel only -----------------------------------
+    # ----- parallel dimensions: data parallel only (replicated, sharded, both) ---------------
+    @property
+    def parallelism_config(self) -> Any:
+        return self.state.parallelism_config
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The device mesh under Accelerate's dimension names (None without a ParallelismConfig)."""
+        return self.state.device_mesh
+
     @property
     def data_parallel_rank(self) -> int:
-        return self.process_index
+        """With a ParallelismConfig, as Accelerate: the rank along `dp_replicate` (0 when it is off);
+        without one, the process index."""
+        return self._mesh_rank("dp_replicate")
 
     @property
     def data_parallel_shard_rank(self) -> int:
-        return self.process_index
+        """With a ParallelismConfig, the rank along `dp_shard` (0 when it is off); else the process index."""
+        return self._mesh_rank("dp_shard")
+
+    def _mesh_rank(self, dimension: str) -> int:
+        config = self.parallelism_config
+        if config is None:
+            return self.process_index
+        return self.torch_device_mesh.get_local_rank(dimension) if dimension in config.active_mesh_dims else 0
 
     tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = property(lambda self: 0)
-    torch_device_mesh = parallelism_config = property(lambda self: None)
 
     @property
     def fp8_backend(self) -> str | None:

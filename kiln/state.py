@@ -56,6 +56,8 @@ class ProcessState:
         self.deepspeed_plugin: object | None = None
         self.fsdp_plugin: object | None = None
         self.dynamo_plugin: object | None = None
+        self.parallelism_config: object | None = None
+        self.device_mesh: object | None = None  # the ParallelismConfig's, under Accelerate's dimension names
         self.num_processes = int(os.environ.get("WORLD_SIZE", "1"))
         self.process_index = int(os.environ.get("RANK", "0"))
         self.local_process_index = int(os.environ.get("LOCAL_RANK", "0"))

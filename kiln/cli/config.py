@@ -27,7 +27,8 @@ def ask(prompt: Callable[[str], str] = input) -> dict[str, Any]:
     """One question per setting; an empty answer keeps the default shown; a bad one is asked again."""
     answers: dict[str, Any] = {}
     for setting in SETTINGS:
-        if setting.only_for and answers.get("distributed_type", BY_NAME["distributed_type"].default) != setting.only_for:
+        chosen = answers.get("distributed_type", BY_NAME["distributed_type"].default)
+        if not setting.asked or (setting.only_for and chosen != setting.only_for):
             continue
         while True:
             raw = prompt(f"{setting.help} [{setting.name}, default {setting.default}]: ").strip()

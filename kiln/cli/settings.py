@@ -105,6 +105,7 @@ class Setting:
     env: str | None  # the variable every launched process gets, if any
     help: str
     only_for: str | None = None  # a distributed_type this setting belongs to
+    asked: bool = True  # False: `kiln config` does not ask for it (a flag or the file still sets it)
 
 
 SETTINGS = (
@@ -134,22 +135,30 @@ SETTINGS = (
     Setting("offload_param_device", None, _choice(("none", "cpu")), "KILN_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
             "where ZeRO-3 keeps parameters: none or cpu", "deepspeed"),
     # FSDP2, under Accelerate's names (kiln.parallel.fsdp_plugin reads the FSDP_* variables).
-    Setting("fsdp_version", None, _fsdp_version, "FSDP_VERSION", "FSDP version: 2 (the only one)", "fsdp"),
+    Setting("fsdp_version", None, _fsdp_version, "FSDP_VERSION", "FSDP version: 2 (the only one)", "fsdp",
+            asked=False),
     Setting("fsdp_auto_wrap_policy", None, _choice(("transformer_based_wrap", "size_based_wrap", "no_wrap")),
-            "FSDP_AUTO_WRAP_POLICY", "units sharded on their own (default: each repeated block)", "fsdp"),
+            "FSDP_AUTO_WRAP_POLICY", "units sharded on their own (default: each repeated block)", "fsdp", asked=False),
     Setting("fsdp_transformer_layer_cls_to_wrap", None, _class_names, "FSDP_TRANSFORMER_CLS_TO_WRAP",
-            "block classes transformer_based_wrap shards, comma-separated", "fsdp"),
+            "block classes transformer_based_wrap shards, comma-separated", "fsdp", asked=False),
     Setting("fsdp_min_num_params", None, _positive, "FSDP_MIN_NUM_PARAMS",
-            "size_based_wrap shards modules holding more parameters than this", "fsdp"),
+            "size_based_wrap shards modules holding more parameters than this", "fsdp", asked=False),
     Setting("fsdp_state_dict_type", None, _state_dict_type, "FSDP_STATE_DICT_TYPE",
-            "what save_state writes: SHARDED_STATE_DICT or FULL_STATE_DICT", "fsdp"),
+            "what save_state writes: SHARDED_STATE_DICT or FULL_STATE_DICT", "fsdp", asked=False),
     Setting("fsdp_reshard_after_forward", None, _bool, "FSDP_RESHARD_AFTER_FORWARD",
-            "free gathered parameters after each unit's forward", "fsdp"),
+            "free gathered parameters after each unit's forward", "fsdp", asked=False),
     Setting("fsdp_activation_checkpointing", None, _bool, "FSDP_ACTIVATION_CHECKPOINTING",
-            "recompute each block's activations in backward", "fsdp"),
+            "recompute each block's activations in backward", "fsdp", asked=False),
     Setting("fsdp_cpu_ram_efficient_loading", None, _bool, "FSDP_CPU_RAM_EFFICIENT_LOADING",
-            "process 0's weights are broadcast to the others at prepare", "fsdp"),
-    Setting("fsdp_offload_params", None, _bool, "FSDP_OFFLOAD_PARAMS", "keep shards on the CPU", "fsdp"),
+            "process 0's weights are broadcast to the others at prepare", "fsdp", asked=False),
+    Setting("fsdp_offload_params", None, _bool, "FSDP_OFFLOAD_PARAMS", "keep shards on the CPU", "fsdp", asked=False),
+    # Accelerate's ParallelismConfig sizes (kiln.parallel.parallelism_config reads PARALLELISM_CONFIG_*).
+    *(Setting(f"parallelism_config_{dim}_size", None, _positive, f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", help,
+              asked=False)
+      for dim, help in (("dp_replicate", "copies of the model (HSDP's replicas)"),
+                        ("dp_shard", "processes each copy is sharded over (FSDP2)"),
+                        ("tp", "tensor parallel size (Kiln: 1 only, for now)"),
+                        ("cp", "context parallel size (Kiln: 1 only, for now)"))),
     Setting("process_group_timeout", 600, _positive, "KILN_PROCESS_GROUP_TIMEOUT",
             "seconds a collective waits for a lost process"),
     Setting("max_restarts", 0, _non_negative, None,
@@ -169,7 +178,7 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     raw = yaml.safe_load(file.read_text()) or {}
     if not isinstance(raw, dict):
         raise ValueError(f"{file} must hold a mapping of settings, not {type(raw).__name__}")
-    raw = _flatten_fsdp_config(raw, file)
+    raw = _flatten_nested(_flatten_nested(raw, file, "fsdp_config"), file, "parallelism_config")
     refused = sorted(set(raw) & set(FSDP1_SETTINGS))
     if refused:
         raise ValueError(f"{file}: {', '.join(refused)}: FSDP1 setting(s); Kiln shards with FSDP2, which has no such "
@@ -189,17 +198,19 @@ FSDP1_SETTINGS = {
 }
 
 
-def _flatten_fsdp_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    """Accelerate's files nest the FSDP keys under `fsdp_config:`; they are the same settings here."""
-    nested = raw.get("fsdp_config")
+def _flatten_nested(raw: dict[str, Any], file: Path, key: str) -> dict[str, Any]:
+    """Accelerate's files nest the FSDP and parallelism keys under `fsdp_config:` and
+    `parallelism_config:`; they are the same settings here."""
+    nested = raw.get(key)
+    rest = {k: v for k, v in raw.items() if k != key}
     if nested is None:
-        return {k: v for k, v in raw.items() if k != "fsdp_config"}
+        return rest
     if not isinstance(nested, dict):
-        raise ValueError(f"{file}: fsdp_config must be a mapping of fsdp_* settings")
-    clash = sorted(set(nested) & set(raw))
+        raise ValueError(f"{file}: {key} must be a mapping of settings")
+    clash = sorted(set(nested) & set(rest))
     if clash:
-        raise ValueError(f"{file}: {', '.join(clash)} given both inside fsdp_config and at the top level")
-    return {**{k: v for k, v in raw.items() if k != "fsdp_config"}, **nested}
+        raise ValueError(f"{file}: {', '.join(clash)} given both inside {key} and at the top level")
+    return {**rest, **nested}
 
 
 def _parse(name: str, value: Any, source: str) -> Any:
@@ -249,6 +260,8 @@ def process_environment(settings: dict[str, Any]) -> dict[str, str]:
         if setting.env is None or value is None or setting.name not in settings["explicit"]:
             continue
         env[setting.env] = str(value).lower() if isinstance(value, bool) else str(value)
+    if any(name.startswith("PARALLELISM_CONFIG_") for name in env):
+        env["KILN_USE_PARALLELISM_CONFIG"] = "true"
     if settings["dynamo_backend"] in ("no", "none"):
         for name in ("KILN_DYNAMO_MODE", "KILN_DYNAMO_USE_FULLGRAPH", "KILN_DYNAMO_USE_DYNAMIC",
                      "KILN_DYNAMO_USE_REGIONAL_COMPILATION"):

@@ -45,6 +45,11 @@ class FSDPStrategy(Strategy):
         self.activation_checkpointing = plugin.activation_checkpointing
         self._new_parameter: dict[int, nn.Parameter] = {}  # id(old parameter) -> its sharded successor
         self._regions_compiled = False
+        self.mesh: Any = None  # None: every process, one dimension; a 2-D mesh shards within rows, replicates across
+
+    def use_mesh(self, mesh: Any) -> None:
+        """Shard over this device mesh (a ParallelismConfig's `fsdp_dim_names`): HSDP when it has two dimensions."""
+        self.mesh = mesh
 
     def check_compile(self, dynamo_plugin: Any) -> None:
         self._regions_compiled = bool(dynamo_plugin is not None and dynamo_plugin.enabled and
@@ -64,7 +69,7 @@ class FSDPStrategy(Strategy):
 
         options: dict[str, Any] = {"mp_policy": self.plugin.mp_policy(),
                                    "reshard_after_forward": self.plugin.reshard_after_forward,
-                                   "offload_policy": self.plugin.offload_policy()}
+                                   "offload_policy": self.plugin.offload_policy(), "mesh": self.mesh}
         ignored = ignored_parameters(model, self.plugin.ignored_modules)
         if ignored:
             if "ignored_params" not in inspect.signature(fully_shard).parameters:  # torch < 2.7

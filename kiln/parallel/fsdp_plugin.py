@@ -240,9 +240,9 @@ def _classes_to_wrap(model: nn.Module, names: list[str] | None) -> tuple[type, .
         declared = list(getattr(model, "_no_split_modules", None) or [])
         names = [name for name in declared if name in present]
         if not names:
+            declares = "only absent ones: " + ", ".join(declared) if declared else "no _no_split_modules"
             raise ValueError(f"auto_wrap_policy='transformer_based_wrap' has no class to wrap: {type(model).__name__} "
-                             f"declares {'no _no_split_modules' if not declared else 'only absent ones: ' + ', '.join(declared)}; "
-                             "name them with transformer_cls_names_to_wrap=[...]")
+                             f"declares {declares}; name them with transformer_cls_names_to_wrap=[...]")
     missing = [name for name in names if name not in present]
     if missing:
         raise ValueError(f"transformer_cls_names_to_wrap names {', '.join(missing)}, which {type(model).__name__} "

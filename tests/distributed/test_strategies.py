@@ -165,6 +165,24 @@ ACCELERATE_FSDP2 = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wr
                     "cpu_ram_efficient_loading": True, "reshard_after_forward": True}
 
 
+def test_hsdp_on_four_processes_matches_one_process_and_resumes_on_two(tmp_path, shared_run):
+    """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): two copies, each sharded over two
+    processes (FSDP2 on a 2-D mesh), every block compiled; its shards resume under plain FSDP2 on
+    two processes with the unbroken run's losses."""
+    common = ["--model", "llama", "--global-batch", "8", "--samples", "32", "--epochs", "2", "--constant-lr"]
+    single = shared_run(1, *common)
+    hsdp = run_worker(tmp_path, 4, *common, "--fsdp", "--parallelism",
+                      json.dumps({"dp_replicate_size": 2, "dp_shard_size": 2}), "--save-at", "1", "--keep-training")
+    assert hsdp["mesh"] == ["dp_replicate", "dp_shard"] and hsdp["placements"] == ["R", "S(0)"]
+    assert hsdp["dp_ranks"] == [[0, 0], [0, 1], [1, 0], [1, 1]]  # (data_parallel_rank, data_parallel_shard_rank)
+    for a, b in zip(single["losses"], hsdp["losses"]):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (single["losses"], hsdp["losses"])
+    assert all(calls > 0 for calls in hsdp["calls"]) and len(set(hsdp["checksums"])) == 1
+    resumed = run_worker(tmp_path, 2, *common, "--fsdp", "--resume-from", str(tmp_path / "ckpt"))
+    for a, b in zip(resumed["losses"], hsdp["losses"][1:]):
+        assert abs(a - b) < 1e-5, (resumed["losses"], hsdp["losses"])
+
+
 def test_fsdp2_as_accelerate_writes_it_trains_like_one_process_and_resumes_from_whole_files(tmp_path, shared_run):
     """Accelerate's FSDP2 fields, with regional compile: each LlamaDecoderLayer its own unit; the
     second process builds its model empty (meta) and gets the first's weights at prepare; save_state

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from toy_models import Regressor, tiny_llama  # noqa: E402
 
-from kiln import Accelerator, TorchDynamoPlugin  # noqa: E402
+from kiln import Accelerator, ParallelismConfig, TorchDynamoPlugin  # noqa: E402
 from kiln.compile.regions import compiled_regions  # noqa: E402
 from kiln.parallel.deepspeed import DeepSpeedPlugin  # noqa: E402
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin  # noqa: E402
@@ -157,6 +157,7 @@ def main() -> None:
     parser.add_argument("--fsdp-mixed-precision", default=None, help="FSDP2's own parameter dtype (opt-in)")
     parser.add_argument("--fsdp-plugin", type=json.loads, default={},
                         help="more FullyShardedDataParallelPlugin fields, as JSON (Accelerate's names)")
+    parser.add_argument("--parallelism", type=json.loads, default=None, help="ParallelismConfig fields, as JSON")
     parser.add_argument("--empty-off-main", action="store_true",
                         help="every process but the main one builds its model on the meta device (no values)")
     parser.add_argument("--zero-stage", type=int, default=None, help="train with DeepSpeed at this ZeRO stage")
@@ -197,7 +198,8 @@ def main() -> None:
                           mixed_precision=args.fsdp_mixed_precision, **args.fsdp_plugin) if args.fsdp else None,
                       deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.ds_config, zero_stage=args.zero_stage,
                                                        gradient_clipping=args.clip)
-                      if args.zero_stage is not None else None)
+                      if args.zero_stage is not None else None,
+                      parallelism_config=ParallelismConfig(**args.parallelism) if args.parallelism else None)
     per_process = args.global_batch if args.split_batches else args.global_batch // acc.num_processes
     loader = DataLoader(training_data(args), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
     eval_data = TensorDataset(torch.arange(args.eval_samples, dtype=torch.float32))
@@ -281,6 +283,10 @@ def main() -> None:
     notes = [n for r in acc.compile_report().regions for n in r.precompile_notes]
     units = [name for name, m in acc.unwrap_model(model).named_modules()
              if type(m).__name__.startswith("FSDP")]  # FSDP2 gives each sharded module a class FSDP<Class>
+    first = next(acc.unwrap_model(model).parameters())
+    placements = [str(p) for p in getattr(first, "placements", ())]
+    mesh = acc.torch_device_mesh
+    ranks = acc.gather(torch.tensor([[acc.data_parallel_rank, acc.data_parallel_shard_rank]])).tolist()
     full = acc.get_state_dict(model)  # consolidated, plain keys, on every process
     checksum = sum(t.double().sum().item() for t in full.values())
     if args.save_model:
@@ -299,7 +305,9 @@ def main() -> None:
                        "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
                        "distributed_type": str(acc.distributed_type.value), "keys": sorted(full), "lrs": lrs,
-                       "load_report": report, "fsdp_units": units}, handle)
+                       "load_report": report, "fsdp_units": units, "placements": placements,
+                       "mesh": list(mesh.mesh_dim_names) if mesh is not None else None, "dp_ranks": ranks},
+                      handle)
     acc.end_training()
 
 
