@@ -24,7 +24,7 @@ from kiln.fp8 import check_fp8_device, convert_to_fp8, require_torchao
 # as Accelerate's torchao path does (its autocast context treats "fp8" as "bf16").
 PRECISIONS = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 # Strategies whose sharded weights torchao's Float8Linear is not wired to here.
-_FP8_REFUSED_STRATEGIES = {"fsdp": "FSDP2", "deepspeed": "DeepSpeed"}
+_FP8_REFUSED_STRATEGIES = {"deepspeed": "DeepSpeed"}
 _FORWARD_BEFORE = "_kiln_forward_before_precision"
 
 
@@ -73,7 +73,7 @@ class Precision:
             return []
         if strategy in _FP8_REFUSED_STRATEGIES:
             raise NotImplementedError(f"mixed_precision='fp8' with {_FP8_REFUSED_STRATEGIES[strategy]} is not "
-                                      "supported by Kiln; train fp8 on one process or with DDP, or use bf16")
+                                      "supported by Kiln; train fp8 on one process, with DDP or with FSDP2, or use bf16")
         converted = convert_to_fp8(model, getattr(self.fp8_recipe, "config", None),
                                    getattr(self.fp8_recipe, "module_filter_func", None))
         if not converted:

@@ -165,6 +165,19 @@ ACCELERATE_FSDP2 = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wr
                     "cpu_ram_efficient_loading": True, "reshard_after_forward": True}
 
 
+def test_fp8_under_fsdp2_gives_ddps_numbers_with_every_block_compiled(shared_run):
+    """torchao's Float8Linear sharded with FSDP2 (weights gathered, then cast to float8 inside each
+    compiled block): DDP's numbers exactly. One process differs by fp8's rounding only: the dynamic
+    scales of the activations are taken over each process's own batch."""
+    pytest.importorskip("torchao")
+    common = ("--model", "llama", "--precision", "fp8", "--global-batch", "8", "--samples", "32", "--constant-lr")
+    single, ddp, sharded = shared_run(1, *common), shared_run(2, *common), shared_run(2, *common, "--fsdp")
+    assert sharded["distributed_type"] == "FSDP" and len(sharded["fsdp_units"]) == 4  # 3 blocks and the root
+    assert all(calls > 0 for calls in sharded["calls"])
+    assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(ddp["losses"], sharded["losses"])), (ddp, sharded)
+    assert all(abs(a - b) <= 5e-3 * abs(a) for a, b in zip(single["losses"], sharded["losses"])), (single, sharded)
+
+
 def test_hsdp_on_four_processes_matches_one_process_and_resumes_on_two(tmp_path, shared_run):
     """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): two copies, each sharded over two
     processes (FSDP2 on a 2-D mesh), every block compiled; its shards resume under plain FSDP2 on
