@@ -32,7 +32,7 @@ from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
 from kiln.parallel.deepspeed_config_optimizer import DummyScheduler, refuse_without_engine
 from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
-from kiln.parallel.parallelism_config import ParallelismConfig, build_parallelism
+from kiln.parallel.parallelism_config import ParallelismConfig, build_parallelism, data_shard
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.precision import Precision, remove_precision_wrapper
 from kiln.process_api import ProcessAPI
@@ -92,18 +92,19 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         self.profile_handler = handlers.get(ProfileKwargs)
         self.strategy = self._choose_strategy(fsdp_plugin, deepspeed_plugin,
                                               handlers.get(DistributedDataParallelKwargs))
+        # The mesh of the parallel dimensions (a collective): FSDP2 shards over it (HSDP on two
+        # dimensions), tensor parallel splits the blocks over its `tp` dimension.
+        self.state.parallelism_config, self.state.device_mesh, self.strategy = build_parallelism(
+            parallelism_config, self.num_processes, self.strategy, self.device.type)
         if self.strategy.owns_backward:
             if GradScalerKwargs in handlers:
                 raise ValueError("GradScalerKwargs has no effect under DeepSpeed, whose engine scales fp16 losses "
                                  "itself: set its loss scaling in the DeepSpeed config's fp16 section")
             self.precision.scaler = None  # the engine scales fp16 losses itself
         self.strategy.check_compile(self.dynamo_plugin)
-        # The mesh of the parallel dimensions (a collective), which FSDP2 shards over (HSDP on two).
-        self.state.parallelism_config, self.state.device_mesh = build_parallelism(
-            parallelism_config, self.num_processes, self.strategy, self.device.type)
         self.state.mixed_precision = self.precision.mode
         self.state.dynamo_plugin = self.dynamo_plugin
-        self.state.fsdp_plugin = self.strategy.plugin if self.strategy.name == "fsdp" else None
+        self.state.fsdp_plugin = self.strategy.plugin if self.is_fsdp2 else None
         self.state.deepspeed_plugin = deepspeed_plugin if self.strategy.name == "deepspeed" else None
         if self.strategy.distributed_type is not None:
             self.state.distributed_type = self.strategy.distributed_type
@@ -257,6 +258,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         blocks = select_blocks(model, plugin.block_classes, plugin.block_paths) if regional else \
             find_repeated_blocks(model)
         block_paths = [path for paths in blocks.values() for path in paths]
+        if not evaluation_mode:
+            self.strategy.parallelize(model, block_paths)  # tensor parallel: before checkpointing and compile
         # Checkpointing before compile, so each compiled block recomputes inside its own graph.
         if self.strategy.activation_checkpointing and not evaluation_mode:
             apply_activation_checkpointing(model, block_paths)
@@ -295,8 +298,9 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         place = device_placement if device_placement is not None else self.device_placement
         self.compiler.check_dataloader(dataloader)
         config = self.dataloader_config
-        prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state,
-                                      self.num_processes, self.process_index,
+        shards, shard = data_shard(self.parallelism_config, self.torch_device_mesh, self.num_processes,
+                                   self.process_index)  # one tensor-parallel group reads one shard
+        prepared = PreparedDataLoader(dataloader, self.device if place else None, self.gradient_state, shards, shard,
                                       # one seed for every process, so the sharded batches of an epoch agree
                                       collectives.broadcast_object(self.data_seed),
                                       stateful=config.use_stateful_dataloader, split_batches=config.split_batches,
@@ -391,7 +395,7 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         if self.strategy.owns_backward:
             return self.strategy.clip_grad_norm(max_norm)
         self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return self.strategy.clip_grad_norm_of(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         if self.strategy.owns_backward:

@@ -29,7 +29,7 @@ def apply_to_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     raise TypeError(f"cannot gather or reduce a {type(value).__name__}; use gather_object for Python objects")
 
 
-def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+def _gather_tensor(tensor: torch.Tensor, every: int = 1) -> torch.Tensor:
     if tensor.dim() == 0:
         tensor = tensor[None]
     world = dist.get_world_size()
@@ -41,14 +41,17 @@ def _gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     padded = pad_tensor(tensor, longest)
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded.contiguous())
-    return torch.cat([part[: int(n.item())] for part, n in zip(parts, lengths)], dim=0)
+    return torch.cat([part[: int(n.item())] for rank, (part, n) in enumerate(zip(parts, lengths))
+                      if rank % every == 0], dim=0)
 
 
-def gather(value: Any) -> Any:
-    """Concatenate each tensor along dim 0 across processes, in rank order (scalars become 1-D)."""
+def gather(value: Any, every: int = 1) -> Any:
+    """Concatenate each tensor along dim 0 across processes, in rank order (scalars become 1-D);
+    `every=k` keeps the parts of ranks 0, k, 2k, ... (one of each tensor-parallel group, whose
+    processes hold the same data)."""
     if not _distributed():
         return apply_to_tensors(value, lambda t: t[None] if t.dim() == 0 else t)
-    return apply_to_tensors(value, _gather_tensor)
+    return apply_to_tensors(value, lambda t: _gather_tensor(t, every))
 
 
 def gather_object(obj: Any) -> list[Any]:

@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 
 # Accelerator() arguments of Accelerate that Kiln does not take, and what to do instead.
 _UNSUPPORTED_ARGUMENTS = {
-    "torch_tp_plugin": "tensor parallelism is not supported; use FSDP2 (fsdp_plugin=) or DeepSpeed",
+    "torch_tp_plugin": "Accelerate's deprecated tensor-parallel plugin; pass parallelism_config=ParallelismConfig("
+                       "tp_size=...) instead",
     "megatron_lm_plugin": "Megatron-LM is not supported; use FSDP2 (fsdp_plugin=) or DeepSpeed",
     "deepspeed_plugins": "several DeepSpeed plugins (one per model) are not supported; Kiln trains one model "
                          "per DeepSpeed engine: pass deepspeed_plugin=",
@@ -103,7 +104,7 @@ class AccelerateCompat:
 
     @property
     def is_fsdp2(self) -> bool:
-        return self.strategy.name == "fsdp"
+        return self.strategy.name == "fsdp" and self.strategy.shards  # not tensor parallel alone
 
     @property
     def multi_device(self) -> bool:
@@ -141,7 +142,12 @@ class AccelerateCompat:
             return self.process_index
         return self.torch_device_mesh.get_local_rank(dimension) if dimension in config.active_mesh_dims else 0
 
-    tensor_parallel_rank = pipeline_parallel_rank = context_parallel_rank = property(lambda self: 0)
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """The rank along `tp` (0 without tensor parallelism)."""
+        return self._mesh_rank("tp") if self.parallelism_config is not None else 0
+
+    pipeline_parallel_rank = context_parallel_rank = property(lambda self: 0)
 
     @property
     def fp8_backend(self) -> str | None:

@@ -74,10 +74,14 @@ class ProcessAPI:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """`gather`, minus the samples repeated at the end of an epoch to even out the processes,
         so an evaluation loop sees each sample of the dataset exactly once."""
+        # Under tensor parallelism the processes of one `tp` group (consecutive ranks) read the same batches.
+        config = getattr(self, "parallelism_config", None)
+        every = config.tp_size if config is not None else 1
         if use_gather_object or not collectives.holds_tensors(input_data):
-            gathered = [x for part in collectives.gather_object(input_data) for x in (part if isinstance(part, list) else [part])]
+            parts = collectives.gather_object(input_data)[::every]
+            gathered = [x for part in parts for x in (part if isinstance(part, list) else [part])]
         else:
-            gathered = collectives.gather(input_data)
+            gathered = collectives.gather(input_data, every)
         loader = self.gradient_state.active_dataloader
         padded = loader.padded_samples if loader is not None and self.gradient_state.end_of_dataloader else 0
         if padded:

@@ -113,7 +113,7 @@ def test_kwargs_handlers_refuse_unknown_and_repeated_kinds():
 
 
 @pytest.mark.parametrize("argument, message", [
-    ({"torch_tp_plugin": object()}, "tensor parallelism is not supported"),
+    ({"torch_tp_plugin": object()}, "pass parallelism_config=ParallelismConfig\(tp_size"),
     ({"megatron_lm_plugin": object()}, "Megatron-LM is not supported"),
     ({"rng_types": ["generator"]}, "rng_types is not supported"),
     ({"deepspeed_plugin": {"a": kiln.DeepSpeedPlugin()}}, "one DeepSpeedPlugin"),

@@ -61,6 +61,13 @@ class Strategy:
         """Only for strategies that own the backward pass, and so the clipping."""
         raise NotImplementedError(f"{self.name} leaves clipping to the accelerator")
 
+    def parallelize(self, model: nn.Module, block_paths: list[str]) -> None:
+        """Split the blocks across processes (tensor parallel) before they are compiled; nothing by default."""
+
+    def clip_grad_norm_of(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The accelerator's `clip_grad_norm_` (gradients already unscaled): torch's."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
         """Gradients computed inside are not synchronised yet (accumulation)."""

@@ -21,7 +21,27 @@ from torch import nn
 from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp, whole_optimizer_state
 from kiln.parallel.base import Strategy
 from kiln.parallel.fsdp_plugin import FullyShardedDataParallelPlugin, ignored_parameters, shard_units
+from kiln.parallel.tensor_parallel import apply_tensor_parallel
 from kiln.state import DistributedType
+
+def clip_mixed_grad_norm(parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """`clip_grad_norm_` over gradients that live on different meshes (tensor-parallel DTensors,
+    FSDP2 shards, plain replicated tensors), which torch's cannot stack: each norm made whole first."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in ([parameters] if isinstance(parameters, torch.Tensor) else parameters)
+             if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    coefficient = float(max_norm) / (float(total) + 1e-6)
+    if coefficient < 1.0:
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total
+
 
 def _refuse_units_inside_regions(units: list[str], regions: list[str]) -> None:
     """FSDP2's hooks are opaque to Dynamo (torch 2.13: "Attempted to call function marked as
@@ -46,10 +66,33 @@ class FSDPStrategy(Strategy):
         self._new_parameter: dict[int, nn.Parameter] = {}  # id(old parameter) -> its sharded successor
         self._regions_compiled = False
         self.mesh: Any = None  # None: every process, one dimension; a 2-D mesh shards within rows, replicates across
+        self.tp_mesh: Any = None  # tensor parallel: each block's projections split over this mesh first
+        self.shards = True  # False: tensor parallel alone, no data-parallel dimension to shard or sync over
+        self._names_before: dict[int, str] = {}
 
-    def use_mesh(self, mesh: Any) -> None:
-        """Shard over this device mesh (a ParallelismConfig's `fsdp_dim_names`): HSDP when it has two dimensions."""
-        self.mesh = mesh
+    def use_mesh(self, mesh: Any, tp_mesh: Any = None) -> None:
+        """Shard over this device mesh (a ParallelismConfig's `fsdp_dim_names`): HSDP when it has two
+        dimensions; with `tp_mesh`, split each block over it first (`mesh` None: nothing to shard)."""
+        self.mesh, self.tp_mesh = mesh, tp_mesh
+        self.shards = mesh is not None or tp_mesh is None
+        if not self.shards:
+            self.distributed_type = None  # the process state's MULTI_CPU/MULTI_GPU, as Accelerate's TP alone
+
+    def parallelize(self, model: nn.Module, block_paths: list[str]) -> None:
+        if self.tp_mesh is None:
+            return
+        if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+            raise NotImplementedError("mixed_precision='fp8' with tensor parallelism is not supported by Kiln: "
+                                      "torchao's float8 layers need float8-aware parallel styles; use bf16, or fp8 "
+                                      "with FSDP2 alone")
+        # Parallelizing replaces the parameters: the optimizer is pointed at them by these names.
+        self._names_before = {id(p): name for name, p in model.named_parameters()}
+        apply_tensor_parallel(model, self.tp_mesh, block_paths)
+
+    def clip_grad_norm_of(self, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        if self.tp_mesh is None:
+            return super().clip_grad_norm_of(parameters, max_norm, norm_type)
+        return clip_mixed_grad_norm(parameters, max_norm, norm_type)
 
     def check_compile(self, dynamo_plugin: Any) -> None:
         self._regions_compiled = bool(dynamo_plugin is not None and dynamo_plugin.enabled and
@@ -81,10 +124,13 @@ class FSDPStrategy(Strategy):
                               "their gradients over the processes, so each process trains its own copy (as in "
                               "Accelerate); freeze them or sync them yourself for the plain loop's numbers",
                               UserWarning, stacklevel=4)
+        names = {**self._names_before, **{id(p): name for name, p in model.named_parameters()}}
+        if not self.shards:
+            self._new_parameter.update({old: dict(model.named_parameters())[name] for old, name in names.items()})
+            return model
         units = shard_units(model, self.plugin, block_paths)
         if self._regions_compiled:
             _refuse_units_inside_regions(units, block_paths)
-        names = {id(p): name for name, p in model.named_parameters()}
         loading = self._weights_to_broadcast(model)
         # Units first, each its own, deepest first, so only one unit's parameters are gathered at a time.
         for path in units:
@@ -132,6 +178,9 @@ class FSDPStrategy(Strategy):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if not self.shards:  # tensor parallel alone: nothing is synchronised between steps
+            yield
+            return
         model.set_requires_gradient_sync(False)
         try:
             yield

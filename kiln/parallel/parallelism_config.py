@@ -15,17 +15,18 @@ from typing import Any
 ENV_PREFIX = "PARALLELISM_CONFIG_"
 USE_ENV = "KILN_USE_PARALLELISM_CONFIG"  # set by `kiln launch` when any parallelism_config_* setting is given
 _MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")  # outermost first, as Accelerate and torchtitan
-_NOT_YET = {"tp": "tensor parallelism", "cp": "context parallelism", "sp": "sequence parallelism (DeepSpeed Ulysses)"}
+_NOT_YET = {"cp": "context parallelism", "sp": "sequence parallelism (DeepSpeed Ulysses)"}
 
 
 @dataclass
 class ParallelismConfig:
     """How the processes split the work, as Accelerate's `ParallelismConfig`: `dp_replicate_size`
     copies of the model (DDP-style), each sharded over `dp_shard_size` processes (FSDP2); both >1
-    is HSDP. A size left None is read from `PARALLELISM_CONFIG_<NAME>` (what `kiln launch` sets),
-    else 1; sizes of 1 everywhere mean plain data parallelism over every process. Kiln does not do
-    tensor, context or sequence parallelism yet: `tp_size`, `cp_size` or `sp_size` > 1 is refused
-    when the Accelerator is built.
+    is HSDP; `tp_size` > 1 splits each block's projections over that many processes (tensor
+    parallel), alone or inside each FSDP2 shard group. A size left None is read from
+    `PARALLELISM_CONFIG_<NAME>` (what `kiln launch` sets), else 1; sizes of 1 everywhere mean plain
+    data parallelism over every process. Kiln does not do context or sequence parallelism yet:
+    `cp_size` or `sp_size` > 1 is refused when the Accelerator is built.
 
     Example (4 processes, two groups of two that each hold one sharded copy)::
 
@@ -154,14 +155,25 @@ class ParallelismConfig:
         for name, what in _NOT_YET.items():
             if self._sizes[name] > 1:
                 raise NotImplementedError(f"ParallelismConfig({name}_size={self._sizes[name]}): {what} is not "
-                                          "supported by Kiln yet; use dp_replicate_size and dp_shard_size "
-                                          "(DDP, FSDP2, HSDP)")
+                                          "supported by Kiln yet; use dp_replicate_size, dp_shard_size and tp_size "
+                                          "(DDP, FSDP2, HSDP, tensor parallel)")
         if self.total_size == 1:
             self.dp_replicate_size = num_processes
         if self.total_size != num_processes:
             raise ValueError(f"ParallelismConfig's sizes multiply to {self.total_size} (dp_replicate_size="
-                             f"{self.dp_replicate_size} x dp_shard_size={self.dp_shard_size}), but this job has "
-                             f"{num_processes} processes")
+                             f"{self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x tp_size={self.tp_size}), "
+                             f"but this job has {num_processes} processes")
+        if self.tp_enabled:
+            if strategy == "deepspeed":
+                raise ValueError("tensor parallelism does not compose with DeepSpeed here: use FSDP2 "
+                                 "(fsdp_plugin=) for the data-parallel dimension")
+            if self.dp_replicate_enabled and not self.dp_shard_enabled:
+                raise ValueError("tp_size > 1 with dp_replicate_size > 1 needs dp_shard_size > 1 (as in Accelerate): "
+                                 "replicas of a tensor-parallel model are FSDP2's HSDP")
+            if strategy == "fsdp" and not self.dp_shard_enabled:
+                raise ValueError("FSDP2 has nothing to shard over: the processes are all tensor-parallel "
+                                 "(dp_shard_size is 1). Drop fsdp_plugin (tensor parallel alone), or set dp_shard_size")
+            return
         if self.dp_shard_enabled and strategy != "fsdp":
             raise ValueError(f"dp_shard_size={self.dp_shard_size} shards the model with FSDP2: pass "
                              "fsdp_plugin=FullyShardedDataParallelPlugin() (or launch with --distributed_type "
@@ -191,16 +203,42 @@ def _flatten(mesh: Any, dims: list[str], name: str) -> None:
 
 
 def build_parallelism(config: ParallelismConfig | None, num_processes: int, strategy: Any,
-                      device_type: str) -> tuple[ParallelismConfig | None, Any]:
-    """The Accelerator's config (given, else the launcher's, else None) checked against the job, and
-    its device mesh; a sharding strategy is handed the mesh it shards over."""
+                      device_type: str) -> tuple[ParallelismConfig | None, Any, Any]:
+    """The Accelerator's config (given, else the launcher's, else None) checked against the job, its
+    device mesh, and the strategy: a sharding strategy is handed the mesh it shards over, and a
+    tensor-parallel job gets FSDP2's strategy (which handles DTensors) whatever was chosen."""
     config = config if config is not None else from_environment()
     if config is None:
-        return None, None
+        return None, None, strategy
     if not isinstance(config, ParallelismConfig):
         raise TypeError(f"parallelism_config must be a kiln ParallelismConfig, not {type(config).__name__}")
     config.fit_to(num_processes, strategy.name)
     mesh = config.get_device_mesh(device_type) if num_processes > 1 else None
-    if mesh is not None and hasattr(strategy, "use_mesh"):
+    if mesh is not None and config.tp_enabled:
+        # Tensor-parallel parameters are DTensors: FSDP2's strategy is the one that saves, loads and
+        # clips them; with no data-parallel dimension it shards nothing, and it syncs nothing.
+        from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
+
+        if not isinstance(strategy, FSDPStrategy):
+            strategy = FSDPStrategy(FullyShardedDataParallelPlugin(), strategy_device(strategy, device_type))
+        strategy.use_mesh(mesh[tuple(config.fsdp_dim_names)] if config.dp_shard_enabled else None,
+                          tp_mesh=mesh["tp"])
+    elif mesh is not None and hasattr(strategy, "use_mesh"):
         strategy.use_mesh(mesh[tuple(config.fsdp_dim_names)])
-    return config, mesh
+    return config, mesh, strategy
+
+
+def strategy_device(strategy: Any, device_type: str) -> Any:
+    import torch
+
+    return getattr(strategy, "device", None) or torch.device(device_type)
+
+
+def data_shard(config: ParallelismConfig | None, mesh: Any, num_processes: int, process_index: int) -> tuple[int, int]:
+    """(how many data-parallel shards, this process's): every process of one tensor-parallel group
+    reads the same batches."""
+    if config is None or mesh is None or not config.tp_enabled:
+        return num_processes, process_index
+    if not config.dp_dim_names:
+        return 1, 0
+    return config.data_parallel_size, mesh["dp"].get_local_rank()

@@ -196,6 +196,33 @@ def test_hsdp_on_four_processes_matches_one_process_and_resumes_on_two(tmp_path,
         assert abs(a - b) < 1e-5, (resumed["losses"], hsdp["losses"])
 
 
+def test_tensor_parallel_alone_and_inside_fsdp2_match_one_process_and_resume_on_another_mesh(tmp_path, shared_run):
+    """tp_size=2 on two processes (each block's projections split, every block compiled), and
+    dp_shard_size=2 x tp_size=2 on four (FSDP2 over the shard groups of tensor-parallel blocks):
+    one process's losses, clipping included; evaluation gathers each sample once; the 2-D shards
+    resume under plain FSDP2 on two processes."""
+    common = ["--model", "llama", "--global-batch", "8", "--samples", "32", "--epochs", "2", "--constant-lr"]
+    single = shared_run(1, *common)
+    tp = run_worker(tmp_path, 2, *common, "--parallelism", json.dumps({"tp_size": 2}))
+    assert tp["mesh"] == ["tp"] and tp["distributed_type"] == "MULTI_CPU" and tp["fsdp_units"] == []
+    # transformers' own split (from_pretrained(tp_plan="auto", device_mesh=mesh["tp"])), taken as it is
+    (tmp_path / "hf").mkdir()
+    by_transformers = run_worker(tmp_path / "hf", 2, *common, "--parallelism", json.dumps({"tp_size": 2}),
+                                 "--hf-tp-plan")
+    both = run_worker(tmp_path, 4, *common, "--fsdp", "--parallelism", json.dumps({"dp_shard_size": 2, "tp_size": 2}),
+                      "--save-at", "1", "--keep-training")
+    assert both["mesh"] == ["dp_shard", "tp"] and both["distributed_type"] == "FSDP"
+    assert both["dp_ranks"] == [[0, 0], [0, 0], [0, 1], [0, 1]]  # ranks 0-1 read one shard, 2-3 the other
+    for run in (tp, by_transformers, both):
+        assert all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(single["losses"], run["losses"])), \
+            (single["losses"], run["losses"])
+        assert all(calls > 0 for calls in run["calls"]) and len(set(run["checksums"])) == 1
+        assert sorted(run["eval"]) == [float(i) for i in range(10)]
+    resumed = run_worker(tmp_path, 2, *common, "--fsdp", "--resume-from", str(tmp_path / "ckpt"))
+    for a, b in zip(resumed["losses"], both["losses"][1:]):
+        assert abs(a - b) < 1e-5, (resumed["losses"], both["losses"])
+
+
 def test_fsdp2_as_accelerate_writes_it_trains_like_one_process_and_resumes_from_whole_files(tmp_path, shared_run):
     """Accelerate's FSDP2 fields, with regional compile: each LlamaDecoderLayer its own unit; the
     second process builds its model empty (meta) and gets the first's weights at prepare; save_state

@@ -158,6 +158,8 @@ def main() -> None:
     parser.add_argument("--fsdp-plugin", type=json.loads, default={},
                         help="more FullyShardedDataParallelPlugin fields, as JSON (Accelerate's names)")
     parser.add_argument("--parallelism", type=json.loads, default=None, help="ParallelismConfig fields, as JSON")
+    parser.add_argument("--hf-tp-plan", action="store_true",
+                        help="load the model with transformers' tp_plan='auto' on the accelerator's tp mesh")
     parser.add_argument("--empty-off-main", action="store_true",
                         help="every process but the main one builds its model on the meta device (no values)")
     parser.add_argument("--zero-stage", type=int, default=None, help="train with DeepSpeed at this ZeRO stage")
@@ -200,7 +202,9 @@ def main() -> None:
                                                        gradient_clipping=args.clip)
                       if args.zero_stage is not None else None,
                       parallelism_config=ParallelismConfig(**args.parallelism) if args.parallelism else None)
-    per_process = args.global_batch if args.split_batches else args.global_batch // acc.num_processes
+    # Tensor-parallel processes share batches: the batch divides over the data-parallel ones only.
+    readers = acc.parallelism_config.data_parallel_size if acc.parallelism_config else acc.num_processes
+    per_process = args.global_batch if args.split_batches else args.global_batch // readers
     loader = DataLoader(training_data(args), batch_size=per_process, shuffle=args.shuffle, drop_last=True)
     eval_data = TensorDataset(torch.arange(args.eval_samples, dtype=torch.float32))
     if args.eval_stream:
@@ -209,6 +213,15 @@ def main() -> None:
     if args.empty_off_main and not acc.is_main_process:
         with torch.device("meta"):
             model = build_model(args)
+    elif args.hf_tp_plan:  # the same weights, saved, then loaded split by transformers itself
+        saved = os.path.join(os.path.dirname(args.out), "pretrained")
+        if acc.is_main_process:
+            build_model(args).save_pretrained(saved)
+        acc.wait_for_everyone()
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(saved, tp_plan="auto", device_mesh=acc.torch_device_mesh["tp"])
+        model.loss_type = "ForCausalLM"
     else:
         model = build_model(args)
     optimizer = build_optimizer(args, model)

@@ -1,5 +1,5 @@
-"""ParallelismConfig with Accelerate's fields, names and checks; what Kiln does not do yet (tensor,
-context, sequence parallelism) is refused by name. HSDP itself runs in
+"""ParallelismConfig with Accelerate's fields, names and checks; what Kiln does not do yet (context
+and sequence parallelism) is refused by name. HSDP and tensor parallelism run in
 tests/distributed/test_strategies.py (four processes)."""
 
 import pytest
@@ -48,7 +48,9 @@ def test_invalid_combinations_fail_at_construction(fields, error, message):
 
 
 @pytest.mark.parametrize("fields, processes, strategy, message", [
-    ({"tp_size": 2}, 2, "fsdp", "tensor parallelism is not supported by Kiln yet"),
+    ({"tp_size": 2}, 2, "fsdp", "FSDP2 has nothing to shard over: the processes are all tensor-parallel"),
+    ({"tp_size": 2, "dp_replicate_size": 2}, 4, "ddp", "needs dp_shard_size > 1"),
+    ({"tp_size": 2}, 2, "deepspeed", "does not compose with DeepSpeed"),
     ({"cp_size": 2, "dp_shard_size": 1}, 2, "fsdp", "context parallelism is not supported"),
     ({"dp_shard_size": 2}, 4, "fsdp", "multiply to 2 .* 4 processes"),
     ({"dp_shard_size": 2}, 2, "ddp", "pass fsdp_plugin=FullyShardedDataParallelPlugin"),
@@ -70,8 +72,8 @@ def test_the_accelerator_holds_the_config_and_refuses_what_kiln_does_not_do():
     accelerator = Accelerator(parallelism_config=ParallelismConfig())
     assert accelerator.parallelism_config.total_size == 1 and accelerator.torch_device_mesh is None
     assert (accelerator.data_parallel_rank, accelerator.data_parallel_shard_rank) == (0, 0)
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
+    with pytest.raises(NotImplementedError, match="context parallelism"):
+        Accelerator(parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=1))
     with pytest.raises(TypeError, match="kiln ParallelismConfig"):
         Accelerator(parallelism_config={"dp_shard_size": 2})
 
