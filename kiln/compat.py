@@ -231,8 +231,12 @@ class AccelerateCompat:
         raise NotImplementedError("lomo_backward (the LOMO optimizer) is not supported by Kiln; use a torch "
                                   "optimizer with accelerator.backward")
 
-    def maybe_context_parallel(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError("context parallelism is not supported by Kiln")
+    def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
+                               no_restore_buffers: Any = None) -> contextlib.AbstractContextManager:
+        """Accelerate's context-parallel region: nothing to do without `cp_size` > 1, which Kiln
+        refuses when the Accelerator is built (context parallelism is not done yet), so scripts that
+        always enter it run unchanged."""
+        return contextlib.nullcontext()
 
     def trigger_sync_in_backward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("trigger_sync_in_backward is not supported by Kiln; leave the accumulation "

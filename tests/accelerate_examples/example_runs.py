@@ -16,7 +16,7 @@ from pathlib import Path
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 ROOT = Path(__file__).resolve().parents[2]
-STANDIN_NAMES = ("bert-base-cased", "HuggingFaceTB", "nyu-mll", "Salesforce", "glue")
+STANDIN_NAMES = ("bert-base-cased", "HuggingFaceTB", "nyu-mll", "Salesforce", "glue", "NousResearch", "roneneldan")
 
 # `from accelerate import X`, `from accelerate.utils import Y`, `from accelerate.local_sgd import Z`,
 # `import accelerate`: the module path is all that changes.

@@ -1,6 +1,7 @@
 """Small local stand-ins, under the Hub names Accelerate's example scripts load, so that the scripts
-run offline and in seconds: a tiny `bert-base-cased`, a tiny `HuggingFaceTB/SmolLM-360M`, MRPC- and
-wikitext-shaped datasets, and the `glue` metric.
+run offline and in seconds: a tiny `bert-base-cased`, a tiny `HuggingFaceTB/SmolLM-360M` (and the same
+under `NousResearch/Hermes-3-Llama-3.1-8B`), MRPC-, wikitext- and TinyStories-shaped datasets, and the
+`glue` metric.
 
 Must not depend on Kiln or Accelerate: the same folder serves the real Accelerate's runs and Kiln's.
 
@@ -40,6 +41,9 @@ def write_standins(folder: Path, seed: int = 0) -> Path:
     write_causal_lm(folder / "HuggingFaceTB" / "SmolLM-360M")
     write_wikitext(folder / "Salesforce" / "wikitext", rng)
     write_glue_metric(folder / "glue")
+    # examples/torch_native_parallelism: a Llama under the 8B's name (its heads split over 2 processes)
+    write_causal_lm(folder / "NousResearch" / "Hermes-3-Llama-3.1-8B", vocab_multiple=8)
+    write_tiny_stories(folder / "roneneldan" / "TinyStories", rng)
     return folder
 
 
@@ -81,14 +85,16 @@ def _center_pooler(model, tokenizer, pairs: list[dict]) -> None:
     dense.bias.copy_(-mean / std)
 
 
-def write_causal_lm(path: Path) -> None:
+def write_causal_lm(path: Path, vocab_multiple: int = 1) -> None:
     """A 2-layer Llama of width 32 (SmolLM's architecture) and a word-level tokenizer with an EOS
-    token, which the script also uses for padding."""
+    token, which the script also uses for padding; `vocab_multiple` pads the vocabulary with unused
+    tokens to a multiple (as real checkpoints do), so FSDP2 splits the embedding evenly."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path.mkdir(parents=True, exist_ok=True)
     words = ["<|endoftext|>", "<unk>"] + PUNCTUATION + list(dict.fromkeys(WORDS))
+    words += [f"<unused{i}>" for i in range(-len(words) % vocab_multiple)]
     backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<unk>",
@@ -151,6 +157,14 @@ def write_wikitext(folder: Path, rng: random.Random) -> None:
                 for _ in range(count)]
         _write_jsonl(folder / "wikitext-2-v1" / f"{split}.jsonl", rows)
     _write_dataset_card(folder, "wikitext-2-v1", {split: f"wikitext-2-v1/{split}.jsonl" for split in WIKITEXT_ROWS})
+
+
+def write_tiny_stories(folder: Path, rng: random.Random, rows: int = 400) -> None:
+    """TinyStories' one `text` column (the default config's train split), enough words that the
+    script packs a few dozen sequences of 32 tokens from the half of it that it reads."""
+    stories = [{"text": " ".join(_sentence(rng) + _sentence(rng) + _sentence(rng)) + " ."} for _ in range(rows)]
+    _write_jsonl(folder / "data" / "train.jsonl", stories)
+    _write_dataset_card(folder, "default", {"train": "data/train.jsonl"})
 
 
 GLUE_METRIC = '''"""Stand-in for the Hub's `glue` metric: the `mrpc` config's accuracy and F1 (of class 1)."""
