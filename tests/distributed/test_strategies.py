@@ -218,6 +218,8 @@ def test_tensor_parallel_alone_and_inside_fsdp2_match_one_process_and_resume_on_
             (single["losses"], run["losses"])
         assert all(calls > 0 for calls in run["calls"]) and len(set(run["checksums"])) == 1
         assert sorted(run["eval"]) == [float(i) for i in range(10)]
+        assert run["keys"] == single["keys"]  # get_state_dict: one whole model under the plain names
+        assert abs(run["checksums"][0] - single["checksums"][0]) < 1e-4 * abs(single["checksums"][0])
     resumed = run_worker(tmp_path, 2, *common, "--fsdp", "--resume-from", str(tmp_path / "ckpt"))
     for a, b in zip(resumed["losses"], both["losses"][1:]):
         assert abs(a - b) < 1e-5, (resumed["losses"], both["losses"])
