@@ -116,7 +116,7 @@ test-latest:
 	$(LATEST_VENV)/bin/python -m pytest $(LATEST_TESTS) -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder \
 		-m "$(LATEST_MARKERS)"
 
-# Every benchmark result committed under benchmarks/results (the CPU ones; about 48 minutes on 2 cores).
+# Every benchmark result committed under benchmarks/results (the CPU ones; about 54 minutes on 2 cores).
 bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --out benchmarks/results --name kiln_bench_cpu
 	$(VENV)/bin/kiln bench --models small --methods eager,full,regional,accelerate-regional --batch-sizes 4 \
@@ -129,6 +129,7 @@ bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --plan buckets --out benchmarks/results --name kiln_bench_buckets_cpu
 	$(VENV)/bin/kiln bench --plan checkpointing --out benchmarks/results --name kiln_bench_checkpointing_cpu
 	$(VENV)/bin/kiln bench --plan host-overhead --out benchmarks/results --name kiln_bench_host_overhead_cpu
+	$(VENV)/bin/kiln bench --plan nd-parallel --out benchmarks/results --name kiln_bench_nd_parallel_cpu
 	$(VENV)/bin/kiln bench --plan diffusion --backend aot_eager --out benchmarks/results --name kiln_bench_diffusion_aot_eager_cpu
 	$(VENV)/bin/kiln bench --plan diffusion --out benchmarks/results --name kiln_bench_diffusion_cpu
 

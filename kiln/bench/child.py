@@ -2,7 +2,7 @@
 its suite's `measure` and prints the result as its last stdout line.
 
 Depends on the suite modules (measure, warm_start, startup, buckets, checkpointing,
-host_overhead), which never import it.
+host_overhead, nd_parallel), which never import it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def suite_measure(suite: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
         from kiln.bench.checkpointing import measure
     elif suite == "host-overhead":
         from kiln.bench.host_overhead import measure
+    elif suite == "nd-parallel":
+        from kiln.bench.nd_parallel import measure
     elif suite == "compile":
         from kiln.bench.measure import measure
     else:

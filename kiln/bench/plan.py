@@ -84,6 +84,7 @@ SUITE_VARIANTS = {
                 "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
                 "parallel-default-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
+    "nd-parallel": ("ddp", "fsdp2", "hsdp", "tp-fsdp2"),  # kiln.bench.nd_parallel.layout
 }
 
 
@@ -230,6 +231,13 @@ PLANS: dict[str, list[Group]] = {
               seq={"infer": 16, "train": 16}, steps=300, threads=1),
         Group(["host8"], ["infer", "train"], [4], ["regional"], suite="host-overhead",
               seq={"infer": 64, "train": 64}, steps=100, threads=2),
+    ],
+    # Parallel layouts on 4 local processes (DDP, FSDP2, HSDP, tensor parallel inside FSDP2), each a
+    # training job with regional compile: tokens per second and model state per process (about 6
+    # minutes with Inductor on 2 cores).
+    "nd-parallel": [
+        Group(["small"], ["train"], [8], ["regional"], suite="nd-parallel", seq={"infer": 64, "train": 64},
+              variants=list(SUITE_VARIANTS["nd-parallel"]), steps=20, processes=[4], threads=1),
     ],
     # transformers' gradient checkpointing, eager and regionally compiled: activation memory held
     # for backward and step time (about 2 minutes with Inductor on 2 cores).

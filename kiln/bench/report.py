@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from kiln.bench import buckets, checkpointing, host_overhead, local_processes, startup, warm_start
+from kiln.bench import buckets, checkpointing, host_overhead, local_processes, nd_parallel, startup, warm_start
 from kiln.bench.plan import METHODS, measured
 
 # The targets, checked on rows of the same run: same model, workload, batch and mode.
@@ -284,6 +284,9 @@ def write_results(rows: list[dict[str, Any]], out: Path, name: str, plots: bool 
     host_rows = [r for r in rows if r.get("suite") == "host-overhead"]
     if host_rows:
         sections.append(host_overhead.render(host_rows))
+    nd_rows = [r for r in rows if r.get("suite") == "nd-parallel"]
+    if nd_rows:
+        sections.append(nd_parallel.render(nd_rows))
     checkpointing_rows = [r for r in rows if r.get("suite") == "checkpointing"]
     if checkpointing_rows:
         sections.append(checkpointing.render(checkpointing_rows))

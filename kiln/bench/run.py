@@ -53,7 +53,7 @@ def run_rows(
                 timeout_s = row_timeout_s if left is None else min(row_timeout_s, left)
                 if row.suite in ("warm-start", "startup"):
                     result = _run_warm_start_row(row, index, workspace, colds, timeout_s)
-                elif row.suite == "local-processes":
+                elif row.suite in ("local-processes", "nd-parallel"):
                     result = _run_local_processes_row(row, timeout_s)
                 else:
                     result = run_row(row, timeout_s=timeout_s)
@@ -101,15 +101,16 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
 
 
 def _run_local_processes_row(row: Row, timeout_s: float) -> dict[str, Any]:
-    """A local-processes row: its processes under torch.distributed.run, from empty Kiln and Inductor
-    folders, with the CPU-seconds the whole process tree used."""
-    from kiln.bench import local_processes
+    """A local-processes or nd-parallel row: its processes under torch.distributed.run, from empty
+    Kiln and Inductor folders, with the CPU-seconds the whole process tree used."""
+    from kiln.bench import local_processes, nd_parallel
 
+    suite = nd_parallel if row.suite == "nd-parallel" else local_processes
     with empty_compiler_caches("kiln_bench_local_processes_") as caches:
         caches["KILN_COMPILE_CACHE_DIR"] = str(Path(caches["TORCHINDUCTOR_CACHE_DIR"]).parent / "kiln")
         before = local_processes.children_cpu_s()
-        result = _run_child(row, caches, timeout_s, command=local_processes.command(row.as_dict()),
-                            parse=lambda stdout: local_processes.combine(stdout, row.as_dict()))
+        result = _run_child(row, caches, timeout_s, command=suite.command(row.as_dict()),
+                            parse=lambda stdout: suite.combine(stdout, row.as_dict()))
         result["cpu_s"] = round(local_processes.children_cpu_s() - before, 2)
     return result
 
@@ -202,10 +203,10 @@ def progress_tail(result: dict[str, Any]) -> str:
     note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
     suite = result.get("suite", "compile")
     if suite != "compile":
-        from kiln.bench import buckets, checkpointing, host_overhead, local_processes, startup, warm_start
+        from kiln.bench import buckets, checkpointing, host_overhead, local_processes, nd_parallel, startup, warm_start
 
         modules = {"warm-start": warm_start, "startup": startup, "local-processes": local_processes,
-                   "checkpointing": checkpointing, "host-overhead": host_overhead}
+                   "checkpointing": checkpointing, "host-overhead": host_overhead, "nd-parallel": nd_parallel}
         module = modules.get(suite, buckets)
         return f"{head}  {module.progress(result)}{note}"
     return (f"{head}  compile {result['compile_s']:.1f} s, steady {result['steady_ms']:.2f} ms, "
