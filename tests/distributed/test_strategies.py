@@ -200,7 +200,7 @@ def test_tensor_parallel_alone_and_inside_fsdp2_match_one_process_and_resume_on_
     """tp_size=2 on two processes (each block's projections split, every block compiled), and
     dp_shard_size=2 x tp_size=2 on four (FSDP2 over the shard groups of tensor-parallel blocks):
     one process's losses, clipping included; evaluation gathers each sample once; the 2-D shards
-    resume under plain FSDP2 on two processes."""
+    resume under plain FSDP2 on two processes, and on one process."""
     common = ["--model", "llama", "--global-batch", "8", "--samples", "32", "--epochs", "2", "--constant-lr"]
     single = shared_run(1, *common)
     tp = run_worker(tmp_path, 2, *common, "--parallelism", json.dumps({"tp_size": 2}))
@@ -223,6 +223,9 @@ def test_tensor_parallel_alone_and_inside_fsdp2_match_one_process_and_resume_on_
     resumed = run_worker(tmp_path, 2, *common, "--fsdp", "--resume-from", str(tmp_path / "ckpt"))
     for a, b in zip(resumed["losses"], both["losses"][1:]):
         assert abs(a - b) < 1e-5, (resumed["losses"], both["losses"])
+    alone = run_worker(tmp_path, 1, *common, "--resume-from", str(tmp_path / "ckpt"))  # one process, no mesh
+    for a, b in zip(alone["losses"], both["losses"][1:]):
+        assert abs(a - b) < 1e-5, (alone["losses"], both["losses"])
 
 
 def test_fsdp2_as_accelerate_writes_it_trains_like_one_process_and_resumes_from_whole_files(tmp_path, shared_run):
