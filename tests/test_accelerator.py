@@ -216,3 +216,27 @@ def test_transformers_model_trains_compiled_in_bf16():
     assert losses[-1] < losses[0]
     (region,) = compiled_regions(model)
     assert region.name == "GPT2Block" and region.instances == 2 and region.calls == 10
+
+
+def test_prepare_chooses_a_models_blocks_once_for_every_step(monkeypatch):
+    """One plan per model (kiln/model_plan.py): checkpointing, compile and the strategy all take the
+    blocks chosen once, not each its own selection."""
+    import kiln.compile.regions as regions
+    import kiln.model_plan as model_plan
+
+    calls = []
+    real = regions.select_blocks
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(regions, "select_blocks", counted)
+    monkeypatch.setattr(model_plan, "select_blocks", counted)
+    from toy_models import tiny_llama
+
+    accelerator = Accelerator(dynamo_plugin=TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True))
+    accelerator.prepare(tiny_llama(layers=2))
+    assert len(calls) == 1
+    report = accelerator.compile_report()
+    assert [r.name for r in report.regions] == ["LlamaDecoderLayer"] and report.regions[0].instances == 2

@@ -23,7 +23,7 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -223,6 +223,7 @@ def compile_regions(
     recompile: str = "allow",
     precompile: str | os.PathLike | None = None,
     in_helpers: bool = False,
+    blocks: Mapping[type, list[str]] | None = None,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -236,6 +237,8 @@ def compile_regions(
     `in_helpers` (with `precompile`): helper processes compile the signatures (train while
     compiling, kiln/compile/artifacts/background.py); under fullgraph=False, which rules an
     ahead-of-time compile out, they fill the compile caches and each signature is JIT-compiled here.
+    `blocks` (class -> paths): regions already chosen from the same `block_classes`/`block_paths`
+    (the Accelerator's plan, kiln/model_plan.py), so they are not chosen twice.
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
@@ -251,7 +254,7 @@ def compile_regions(
             stacklevel=2,
         )
         return model
-    blocks = select_blocks(model, block_classes, block_paths)
+    blocks = dict(blocks) if blocks is not None else select_blocks(model, block_classes, block_paths)
     if not blocks:
         warnings.warn(
             f"{type(model).__name__} has no repeated blocks (no ModuleList, Sequential or ModuleDict "

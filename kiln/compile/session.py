@@ -62,9 +62,11 @@ class CompileSession:
     def enabled(self) -> bool:
         return self.plugin is not None
 
-    def compile(self, model: nn.Module, device: torch.device, context: dict[str, Any]) -> None:
+    def compile(self, model: nn.Module, device: torch.device, context: dict[str, Any],
+                blocks: dict[type, list[str]] | None = None) -> None:
         """Compile `model` in place as the plugin says, and fill the caches from an earlier run.
-        `context` (precision, strategy) joins the compile settings in the cache key."""
+        `context` (precision, strategy) joins the compile settings in the cache key; `blocks`, the
+        regions the caller already chose (the Accelerator's plan), else chosen here."""
         self.models.append(model)
         if self.plugin is None:
             return
@@ -83,7 +85,7 @@ class CompileSession:
             if self.is_local_main:  # before anything of this job is compiled or loaded, the CPU probe's too
                 self._check_recorded_files(key)
         if plugin.use_regional_compilation:
-            compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths,
+            compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths, blocks=blocks,
                             recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
         else:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
