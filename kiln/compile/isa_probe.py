@@ -48,10 +48,14 @@ def start() -> None:
             return
         candidates = _candidates()
         if not candidates:
-            _thread = threading.Thread(target=lambda: None)  # nothing to ask: later calls return at once
+            thread = threading.Thread(target=lambda: None)  # nothing to ask: later calls return at once
         else:
-            _thread = threading.Thread(target=_ask, args=(candidates,), name="kiln-cpu-isa-probe", daemon=True)
-        _thread.start()
+            thread = threading.Thread(target=_ask, args=(candidates,), name="kiln-cpu-isa-probe", daemon=True)
+        # Published only once started: `wait()` reads it without the lock, from another thread (a
+        # precompiled load on the background path), and joining a thread not yet started raises
+        # "cannot join thread before it is started" (seen once in the torch 2.11 matrix).
+        thread.start()
+        _thread = thread
 
 
 def wait() -> None:
