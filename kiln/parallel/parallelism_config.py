@@ -93,23 +93,26 @@ class ParallelismConfig:
     cp_enabled = property(lambda self: self.cp_size > 1)
     sp_enabled = property(lambda self: self.sp_size > 1)
 
+    def _active(self, names: tuple[str, ...]) -> list[str]:
+        return [name for name in names if self._sizes[name] > 1]
+
     @property
     def dp_dim_names(self) -> list[str]:
         """The dimensions over which batches differ."""
-        return [name for name in ("dp_replicate", "dp_shard") if self._sizes[name] > 1]
+        return self._active(("dp_replicate", "dp_shard"))
 
     @property
     def non_dp_dim_names(self) -> list[str]:
         """The dimensions whose processes see the same batch."""
-        return [name for name in ("tp", "cp", "sp") if self._sizes[name] > 1]
+        return self._active(("tp", "cp", "sp"))
 
     @property
     def dp_shard_cp_dim_names(self) -> list[str]:
-        return [name for name in ("dp_shard", "cp") if self._sizes[name] > 1]
+        return self._active(("dp_shard", "cp"))
 
     @property
     def dp_cp_dim_names(self) -> list[str]:
-        return [name for name in ("dp_replicate", "dp_shard", "cp") if self._sizes[name] > 1]
+        return self._active(("dp_replicate", "dp_shard", "cp"))
 
     @property
     def fsdp_dim_names(self) -> list[str]:
