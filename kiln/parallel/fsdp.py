@@ -108,6 +108,14 @@ class FSDPStrategy(Strategy):
         return self.plugin.cpu_ram_efficient_loading and dist.is_initialized() and dist.get_rank() != 0
 
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
+        names = {**self._names_before, **{id(p): name for name, p in model.named_parameters()}}
+        if self.shards:  # tensor parallel alone has nothing to shard over
+            self._shard(model, block_paths)
+        params = dict(model.named_parameters())
+        self._new_parameter.update({old: params[name] for old, name in names.items()})
+        return model
+
+    def _shard(self, model: nn.Module, block_paths: list[str]) -> None:
         from torch.distributed.fsdp import fully_shard
 
         options: dict[str, Any] = {"mp_policy": self.plugin.mp_policy(),
@@ -123,11 +131,7 @@ class FSDPStrategy(Strategy):
                 warnings.warn("ignored_modules holds trainable parameters: FSDP2 neither shards them nor averages "
                               "their gradients over the processes, so each process trains its own copy (as in "
                               "Accelerate); freeze them or sync them yourself for the plain loop's numbers",
-                              UserWarning, stacklevel=4)
-        names = {**self._names_before, **{id(p): name for name, p in model.named_parameters()}}
-        if not self.shards:
-            self._new_parameter.update({old: dict(model.named_parameters())[name] for old, name in names.items()})
-            return model
+                              UserWarning, stacklevel=5)
         units = shard_units(model, self.plugin, block_paths)
         if self._regions_compiled:
             _refuse_units_inside_regions(units, block_paths)
@@ -138,9 +142,6 @@ class FSDPStrategy(Strategy):
         fully_shard(model, **options)
         if loading is not None:
             loading(model)
-        sharded = dict(model.named_parameters())
-        self._new_parameter.update({old: sharded[name] for old, name in names.items()})
-        return model
 
     def _weights_to_broadcast(self, model: nn.Module) -> Any:
         """cpu_ram_efficient_loading: the main process keeps its weights to broadcast once sharded;
