@@ -80,7 +80,35 @@ def _module_keys(module: nn.Module) -> tuple[tuple, tuple, tuple]:
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
-    return (t.shape, t.dtype, t.device, t.requires_grad, None if t.is_contiguous() else t.stride())
+    key = (t.shape, t.dtype, t.device, t.requires_grad, None if t.is_contiguous() else t.stride())
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return key
+    return (*key, *_distributed(t))
+
+
+def _distributed(t: torch.Tensor) -> tuple:
+    """What a DTensor's compiled code depends on beyond its global shape (tensor parallel blocks): its
+    placements, its local shape, and its mesh, down to the names of this process's groups, which the
+    compiled collectives call by name. Two processes in different tensor-parallel groups (ranks 0-1
+    and 2-3 of dp_shard=2 x tp=2) have different group names: code compiled in one cannot run in the
+    other ("Could not resolve the process group registered under the name 3"). Empty for other tensors."""
+    mesh = getattr(t, "device_mesh", None)
+    placements = getattr(t, "placements", None)
+    if mesh is None or placements is None:
+        return ()
+    return (tuple(str(p) for p in placements), tuple(t.to_local().shape), _mesh_key(mesh))
+
+
+_MESH_KEYS: dict[int, tuple[Any, tuple]] = {}
+
+
+def _mesh_key(mesh: Any) -> tuple:
+    """(dimension names, shape, this process's group name in each dimension), made once per mesh."""
+    known = _MESH_KEYS.get(id(mesh))
+    if known is None or known[0] is not mesh:
+        groups = tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
+        known = _MESH_KEYS[id(mesh)] = (mesh, (mesh.mesh_dim_names, tuple(mesh.shape), groups))
+    return known[1]
 
 
 def _key(value: Any) -> Any:
@@ -107,7 +135,12 @@ def autocast_state() -> tuple[tuple[str, str], ...]:
 
 def _tensor_meta(t: torch.Tensor) -> tuple:
     strides = None if t.is_contiguous() else tuple(t.stride())
-    return ("tensor", tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad, strides)
+    meta = ("tensor", tuple(t.shape), str(t.dtype), str(t.device), t.requires_grad, strides)
+    distributed = _distributed(t)
+    if distributed:
+        placements, local, (names, shape, groups) = distributed
+        meta += (("placements", placements), ("local", local), ("mesh", names, shape, groups))
+    return meta
 
 
 def _describe(value: Any) -> Any:

@@ -426,3 +426,33 @@ def test_the_per_call_key_changes_with_everything_the_signature_sees():
             assert new_key != key, what
     finally:
         torch.set_grad_enabled(True)
+
+
+def test_a_dtensor_parameter_keys_its_placements_and_its_process_group():
+    """Tensor-parallel blocks hold DTensor parameters: code compiled for one placement, or for one
+    process group (the compiled collectives call it by name), must not be taken for another."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from kiln.compile.artifacts.signatures import call_key, call_signature
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layer, hidden = torch.nn.Linear(8, 8), torch.randn(2, 8)
+        weight = layer.weight.detach()
+
+        def with_weight(mesh, placement):
+            layer.weight = torch.nn.Parameter(distribute_tensor(weight, mesh, [placement]))
+            return call_key(layer, (hidden,), {}), call_signature(layer, (hidden,), {})
+
+        mesh = DeviceMesh.from_group(dist.new_group([0]), "cpu", mesh_dim_names=("tp",))
+        sharded = with_weight(mesh, Shard(0))
+        assert with_weight(mesh, Shard(0)) == sharded
+        replicated = with_weight(mesh, Replicate())
+        assert replicated[0] != sharded[0] and replicated[1] != sharded[1]
+        # The group by name, as the compiled collectives call it (ranks 0-1 and 2-3 of dp_shard=2 x
+        # tp=2 have different names: tests/distributed/test_strategies.py runs them).
+        assert ("mesh", ("tp",), (1,), (mesh.get_group(0).group_name,)) in sharded[1][-2][1][0]
+    finally:
+        dist.destroy_process_group()
