@@ -165,67 +165,96 @@ ACCELERATE_FSDP2 = {"fsdp_version": 2, "auto_wrap_policy": "transformer_based_wr
                     "cpu_ram_efficient_loading": True, "reshard_after_forward": True}
 
 
+# Twenty optimizer steps of AdamW on the tiny Llama (160 samples, two epochs, two micro-batches a step).
+# At lr 0.005 every layout stays within 1e-5 of the plain loop; at 0.05 two-process DDP itself drifts
+# 1e-4 by step 11 and 1e-2 by step 18: Adam's update at that rate magnifies any change of summation
+# order, so a longer run at that rate compares rounding, not layouts.
+TWENTY_STEPS = ("--model", "llama", "--global-batch", "8", "--samples", "160", "--epochs", "2", "--constant-lr",
+                "--lr", "0.005")
+
+
+def assert_close(expected, got, tolerance=1e-4):
+    assert len(got) == len(expected), (expected, got)
+    assert all(abs(a - b) <= tolerance * max(1.0, abs(a)) for a, b in zip(expected, got)), (expected, got)
+
+
 def test_fp8_under_fsdp2_gives_ddps_numbers_with_every_block_compiled(shared_run):
     """torchao's Float8Linear sharded with FSDP2 (weights gathered, then cast to float8 inside each
-    compiled block): DDP's numbers exactly. One process differs by fp8's rounding only: the dynamic
-    scales of the activations are taken over each process's own batch."""
+    compiled block), 20 steps. DDP's numbers exactly while both round alike; after that a one-ulp
+    difference of summation order (all-reduce against reduce-scatter) moves a value across an fp8
+    step now and then (seen from step 7: 1e-3, like any two fp8 runs). One process differs by fp8's
+    rounding only: the dynamic scales of the activations are taken over each process's own batch."""
     pytest.importorskip("torchao")
-    common = ("--model", "llama", "--precision", "fp8", "--global-batch", "8", "--samples", "32", "--constant-lr")
+    common = (*TWENTY_STEPS, "--precision", "fp8")
     single, ddp, sharded = shared_run(1, *common), shared_run(2, *common), shared_run(2, *common, "--fsdp")
     assert sharded["distributed_type"] == "FSDP" and len(sharded["fsdp_units"]) == 4  # 3 blocks and the root
     assert all(calls > 0 for calls in sharded["calls"])
-    assert all(abs(a - b) <= 1e-6 * abs(a) for a, b in zip(ddp["losses"], sharded["losses"])), (ddp, sharded)
-    assert all(abs(a - b) <= 5e-3 * abs(a) for a, b in zip(single["losses"], sharded["losses"])), (single, sharded)
+    assert_close(ddp["losses"][:5], sharded["losses"][:5], 1e-6)
+    assert_close(ddp["losses"], sharded["losses"], 2e-2)
+    assert_close(single["losses"], sharded["losses"], 2e-2)
 
 
-def test_hsdp_on_four_processes_matches_one_process_and_resumes_on_two(tmp_path, shared_run):
+def test_hsdp_on_four_processes_matches_the_plain_loop_and_resumes_under_tensor_parallel(tmp_path, shared_run):
     """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): two copies, each sharded over two
-    processes (FSDP2 on a 2-D mesh), every block compiled; its shards resume under plain FSDP2 on
-    two processes with the unbroken run's losses."""
-    common = ["--model", "llama", "--global-batch", "8", "--samples", "32", "--epochs", "2", "--constant-lr"]
-    single = shared_run(1, *common)
-    hsdp = run_worker(tmp_path, 4, *common, "--fsdp", "--parallelism",
+    processes (FSDP2 on a 2-D mesh), every block compiled, 20 steps of the plain loop's losses; its
+    shards resume on another mesh, tensor parallel on two processes, with the unbroken run's losses."""
+    plain = shared_run(1, "--plain", *TWENTY_STEPS)
+    hsdp = run_worker(tmp_path, 4, *TWENTY_STEPS, "--fsdp", "--parallelism",
                       json.dumps({"dp_replicate_size": 2, "dp_shard_size": 2}), "--save-at", "1", "--keep-training")
     assert hsdp["mesh"] == ["dp_replicate", "dp_shard"] and hsdp["placements"] == ["R", "S(0)"]
     assert hsdp["dp_ranks"] == [[0, 0], [0, 1], [1, 0], [1, 1]]  # (data_parallel_rank, data_parallel_shard_rank)
-    for a, b in zip(single["losses"], hsdp["losses"]):
-        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (single["losses"], hsdp["losses"])
+    assert_close(plain["losses"], hsdp["losses"])
     assert all(calls > 0 for calls in hsdp["calls"]) and len(set(hsdp["checksums"])) == 1
-    resumed = run_worker(tmp_path, 2, *common, "--fsdp", "--resume-from", str(tmp_path / "ckpt"))
-    for a, b in zip(resumed["losses"], hsdp["losses"][1:]):
-        assert abs(a - b) < 1e-5, (resumed["losses"], hsdp["losses"])
+    resumed = run_worker(tmp_path, 2, *TWENTY_STEPS, "--parallelism", json.dumps({"tp_size": 2}),
+                         "--resume-from", str(tmp_path / "ckpt"))
+    assert resumed["mesh"] == ["tp"]
+    assert_close(hsdp["losses"][1:], resumed["losses"], 1e-5)
 
 
-def test_tensor_parallel_alone_and_inside_fsdp2_match_one_process_and_resume_on_another_mesh(tmp_path, shared_run):
+def test_tensor_parallel_alone_and_inside_fsdp2_match_the_plain_loop_and_resume_on_other_meshes(tmp_path, shared_run):
     """tp_size=2 on two processes (each block's projections split, every block compiled), and
     dp_shard_size=2 x tp_size=2 on four (FSDP2 over the shard groups of tensor-parallel blocks):
-    one process's losses, clipping included; evaluation gathers each sample once; the 2-D shards
-    resume under plain FSDP2 on two processes, and on one process."""
-    common = ["--model", "llama", "--global-batch", "8", "--samples", "32", "--epochs", "2", "--constant-lr"]
-    single = shared_run(1, *common)
-    tp = run_worker(tmp_path, 2, *common, "--parallelism", json.dumps({"tp_size": 2}))
+    20 steps of the plain loop's losses, clipping included; evaluation gathers each sample once; the
+    2-D shards resume under FSDP2 alone on four processes (dp_shard_size=4), and on one process."""
+    plain = shared_run(1, "--plain", *TWENTY_STEPS)
+    tp = run_worker(tmp_path, 2, *TWENTY_STEPS, "--parallelism", json.dumps({"tp_size": 2}))
     assert tp["mesh"] == ["tp"] and tp["distributed_type"] == "MULTI_CPU" and tp["fsdp_units"] == []
     # transformers' own split (from_pretrained(tp_plan="auto", device_mesh=mesh["tp"])), taken as it is
     (tmp_path / "hf").mkdir()
-    by_transformers = run_worker(tmp_path / "hf", 2, *common, "--parallelism", json.dumps({"tp_size": 2}),
+    by_transformers = run_worker(tmp_path / "hf", 2, *TWENTY_STEPS, "--parallelism", json.dumps({"tp_size": 2}),
                                  "--hf-tp-plan")
-    both = run_worker(tmp_path, 4, *common, "--fsdp", "--parallelism", json.dumps({"dp_shard_size": 2, "tp_size": 2}),
-                      "--save-at", "1", "--keep-training")
+    both = run_worker(tmp_path, 4, *TWENTY_STEPS, "--fsdp", "--parallelism",
+                      json.dumps({"dp_shard_size": 2, "tp_size": 2}), "--save-at", "1", "--keep-training")
     assert both["mesh"] == ["dp_shard", "tp"] and both["distributed_type"] == "FSDP"
     assert both["dp_ranks"] == [[0, 0], [0, 0], [0, 1], [0, 1]]  # ranks 0-1 read one shard, 2-3 the other
     for run in (tp, by_transformers, both):
-        assert all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(single["losses"], run["losses"])), \
-            (single["losses"], run["losses"])
+        assert_close(plain["losses"], run["losses"])
         assert all(calls > 0 for calls in run["calls"]) and len(set(run["checksums"])) == 1
         assert sorted(run["eval"]) == [float(i) for i in range(10)]
-        assert run["keys"] == single["keys"]  # get_state_dict: one whole model under the plain names
-        assert abs(run["checksums"][0] - single["checksums"][0]) < 1e-4 * abs(single["checksums"][0])
-    resumed = run_worker(tmp_path, 2, *common, "--fsdp", "--resume-from", str(tmp_path / "ckpt"))
-    for a, b in zip(resumed["losses"], both["losses"][1:]):
-        assert abs(a - b) < 1e-5, (resumed["losses"], both["losses"])
-    alone = run_worker(tmp_path, 1, *common, "--resume-from", str(tmp_path / "ckpt"))  # one process, no mesh
-    for a, b in zip(alone["losses"], both["losses"][1:]):
-        assert abs(a - b) < 1e-5, (alone["losses"], both["losses"])
+        assert run["keys"] == plain["keys"]  # get_state_dict: one whole model under the plain names
+        assert abs(run["checksums"][0] - plain["checksum"]) < 1e-4 * abs(plain["checksum"])
+    four = run_worker(tmp_path, 4, *TWENTY_STEPS, "--fsdp", "--parallelism", json.dumps({"dp_shard_size": 4}),
+                      "--resume-from", str(tmp_path / "ckpt"))
+    assert four["mesh"] == ["dp_shard"] and four["placements"] == ["S(0)"]
+    assert_close(both["losses"][1:], four["losses"], 1e-5)
+    alone = run_worker(tmp_path, 1, *TWENTY_STEPS, "--resume-from", str(tmp_path / "ckpt"))  # one process, no mesh
+    assert_close(both["losses"][1:], alone["losses"], 1e-5)
+
+
+def test_precompiled_tensor_parallel_regions_are_compiled_once_per_tensor_parallel_group(tmp_path, shared_run):
+    """dp_shard_size=2 x tp_size=2 with precompiled regions: the compiled collectives call this
+    process's tensor-parallel group by name, so ranks 0-1 and 2-3 cannot share code; each group
+    compiles each signature once and its other member loads it, and training keeps the plain loop's
+    numbers."""
+    common = ["--model", "llama", "--global-batch", "8", "--samples", "32", "--constant-lr", "--lr", "0.005"]
+    plain = shared_run(1, "--plain", *common)
+    env = dict(os.environ, KILN_COMPILE_CACHE_DIR=str(tmp_path / "cache"))
+    run = run_worker(tmp_path, 4, *common, "--fsdp", "--precompile", "--parallelism",
+                     json.dumps({"dp_shard_size": 2, "tp_size": 2}), env=env)
+    assert run["precompiled_calls"] == run["calls"] and all(n > 0 for n in run["calls"]), run["precompile_notes"]
+    ahead = run["compiled_ahead"]
+    assert ahead[0] + ahead[1] == ahead[2] + ahead[3] > 0, ahead  # the same signatures, once in each group
+    assert_close(plain["losses"], run["losses"])
 
 
 def test_fsdp2_as_accelerate_writes_it_trains_like_one_process_and_resumes_from_whole_files(tmp_path, shared_run):

@@ -80,10 +80,11 @@ def plain_loop(args) -> None:
     torch.manual_seed(0)
     model = build_model(args)
     optimizer = build_optimizer(args, model)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler = None if args.constant_lr else torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     loader = DataLoader(training_data(args), batch_size=args.global_batch, drop_last=True)
     losses, norms, window = [], [], 0.0
-    for index, (inputs, targets) in enumerate(loader):
+    batches = [batch for _ in range(args.epochs) for batch in loader]
+    for index, (inputs, targets) in enumerate(batches):
         loss = model_loss(args, model, inputs, targets)["loss"] / args.grad_accum
         loss.backward()
         window += loss.item()
@@ -92,14 +93,17 @@ def plain_loop(args) -> None:
         max_norm = args.clip if args.clip is not None else float("inf")
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         optimizer.step()
-        scheduler.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(window)
         window = 0.0
     if args.save_weights:
         torch.save(model.state_dict(), args.save_weights)
+    state = model.state_dict()
     with open(args.out, "w") as handle:
-        json.dump({"losses": losses, "grad_norms": norms}, handle)
+        json.dump({"losses": losses, "grad_norms": norms, "keys": sorted(state),
+                   "checksum": sum(t.double().sum().item() for t in state.values())}, handle)
 
 
 def plain_deepspeed_loop(args) -> None:
