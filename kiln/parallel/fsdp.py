@@ -81,10 +81,6 @@ class FSDPStrategy(Strategy):
     def parallelize(self, model: nn.Module, block_paths: list[str]) -> None:
         if self.tp_mesh is None:
             return
-        if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
-            raise NotImplementedError("mixed_precision='fp8' with tensor parallelism is not supported by Kiln: "
-                                      "torchao's float8 layers need float8-aware parallel styles; use bf16, or fp8 "
-                                      "with FSDP2 alone")
         # Parallelizing replaces the parameters: the optimizer is pointed at them by these names.
         self._names_before = {id(p): name for name, p in model.named_parameters()}
         apply_tensor_parallel(model, self.tp_mesh, block_paths)

@@ -1,9 +1,9 @@
 """Tensor parallelism: each block's projections split over the `tp` dimension of the device mesh
 (attention and MLP inputs column-wise, their outputs row-wise), with torch's `parallelize_module`.
 
-Depends on torch only. The plan is the one the model declares (transformers' `base_model_tp_plan`),
-else Kiln's for the common decoder names; a model transformers already parallelized
-(`tp_plan="auto"`) is taken as it is. Applied before activation checkpointing, compile and FSDP2
+Depends on torch, and on torchao for the splits of its float8 layers. The plan is the one the
+model declares (transformers' `base_model_tp_plan`), else Kiln's for the common decoder names; a
+model transformers already parallelized (`tp_plan="auto"`) is taken as it is. Applied before activation checkpointing, compile and FSDP2
 (torchtitan's order), so each compiled block holds the sharded matmuls and their collectives.
 """
 
@@ -75,7 +75,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, block_paths: list[str]
     """Split the blocks' linears over `tp_mesh`, in place; returns the plan applied ({} when
     transformers had already split the model over a mesh of the same size)."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     if is_tensor_parallel(model):
         sizes = {p.device_mesh.size() for p in model.parameters() if isinstance(p, DTensor)}
@@ -86,6 +86,30 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, block_paths: list[str]
         return {}
     chosen = tensor_parallel_plan(model, block_paths, plan)
     check_divisible(model, chosen, tp_mesh.size())
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    parallelize_module(model, tp_mesh, {name: styles[style]() for name, style in chosen.items()})
+    parallelize_module(model, tp_mesh, {name: parallel_style(model.get_submodule(name), style)
+                                        for name, style in chosen.items()})
     return chosen
+
+
+def parallel_style(linear: nn.Module, style: str) -> Any:
+    """torch's split ("colwise" or "rowwise") for a plain linear; for torchao's Float8Linear (under
+    mixed_precision="fp8"), torchao's float8-aware split, which casts the input to float8 as a DTensor
+    (its scale taken over the whole tensor, as one process takes it) and the output's gradient on its
+    way back. Under autocast the row-wise outputs are summed across the group in bf16, so tensor
+    parallel differs from one process by bf16's rounding, with or without fp8."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if type(linear).__name__ != "Float8Linear":
+        return (ColwiseParallel if style == "colwise" else RowwiseParallel)()
+    from torchao.float8.config import ScalingType
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    scaling = (linear.config.cast_config_input.scaling_type, linear.config.cast_config_weight.scaling_type,
+               linear.config.cast_config_grad_output.scaling_type)
+    granularity = {str(c.scaling_granularity) for c in (linear.config.cast_config_input,
+                                                         linear.config.cast_config_weight,
+                                                         linear.config.cast_config_grad_output)}
+    if set(scaling) != {ScalingType.DYNAMIC} or granularity != {"ScalingGranularity.TENSORWISE"}:
+        raise NotImplementedError(f"mixed_precision='fp8' with tensor parallelism takes torchao's dynamic tensorwise "
+                                  f"scaling (the default recipe); this recipe scales {sorted(granularity)}")
+    return (Float8ColwiseParallel if style == "colwise" else Float8RowwiseParallel)()

@@ -194,6 +194,19 @@ def test_fp8_under_fsdp2_gives_ddps_numbers_with_every_block_compiled(shared_run
     assert_close(single["losses"], sharded["losses"], 2e-2)
 
 
+def test_fp8_under_tensor_parallel_trains_like_fp8_on_one_process_with_every_block_compiled(shared_run):
+    """torchao's float8 layers split by its float8-aware styles (tp_size=2): the scales are taken
+    over whole DTensors, as one process takes them; the one difference is autocast's bf16 rounding of
+    the row-wise partial sums before they are added across the group (as any bf16 tensor parallel)."""
+    pytest.importorskip("torchao")
+    common = (*TWENTY_STEPS, "--precision", "fp8")
+    single = shared_run(1, *common)
+    split = shared_run(2, *common, "--parallelism", json.dumps({"tp_size": 2}))
+    assert split["mesh"] == ["tp"] and all(calls > 0 for calls in split["calls"])
+    assert_close(single["losses"][:1], split["losses"][:1], 1e-3)  # the same weights: bf16's rounding only
+    assert_close(single["losses"], split["losses"], 3e-2)
+
+
 def test_hsdp_on_four_processes_matches_the_plain_loop_and_resumes_under_tensor_parallel(tmp_path, shared_run):
     """ParallelismConfig(dp_replicate_size=2, dp_shard_size=2): two copies, each sharded over two
     processes (FSDP2 on a 2-D mesh), every block compiled, 20 steps of the plain loop's losses; its

@@ -43,3 +43,26 @@ def test_heads_and_split_sizes_must_divide_by_the_tp_size():
     check_divisible(model, plan, 2)
     with pytest.raises(ValueError, match="num_key_value_heads=2 does not divide by tp_size=4"):
         check_divisible(model, plan, 4)
+
+
+def test_float8_layers_get_torchaos_float8_splits_and_other_recipes_are_refused():
+    """mixed_precision="fp8" with tensor parallel: torchao's Float8Linear is split by torchao's
+    float8-aware styles, which take the default recipe's dynamic tensorwise scales only."""
+    pytest.importorskip("torchao")
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from kiln.fp8 import convert_to_fp8
+    from kiln.parallel.tensor_parallel import parallel_style
+
+    model = tiny_llama(layers=2, width=64)
+    assert type(parallel_style(model.model.layers[0].mlp.up_proj, "colwise")) is ColwiseParallel
+    assert type(parallel_style(model.model.layers[0].mlp.down_proj, "rowwise")) is RowwiseParallel
+    convert_to_fp8(model)
+    assert type(parallel_style(model.model.layers[0].mlp.up_proj, "colwise")) is Float8ColwiseParallel
+    assert type(parallel_style(model.model.layers[0].mlp.down_proj, "rowwise")) is Float8RowwiseParallel
+    rowwise = tiny_llama(layers=2, width=64)
+    convert_to_fp8(rowwise, Float8LinearConfig.from_recipe_name("rowwise"))
+    with pytest.raises(NotImplementedError, match="dynamic tensorwise"):
+        parallel_style(rowwise.model.layers[0].mlp.up_proj, "colwise")
