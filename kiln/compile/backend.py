@@ -1,6 +1,6 @@
 """A backend wrapper that counts what the compiler did for one region: graphs built, compiled calls run.
 
-Depends on torch, kiln.compile.isa_probe and kiln.compile.progress only. The counters are how
+Depends on torch, kiln.compile.isa_probe, kiln.compile.outer_graph and kiln.compile.progress only. The counters are how
 Kiln proves compiled code ran (DESIGN.md: wrappers and mixed precision can hide it), so every
 region Kiln compiles goes through `TrackedBackend`.
 """
@@ -8,12 +8,13 @@ region Kiln compiles goes through `TrackedBackend`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from kiln.compile import isa_probe
+from kiln.compile.outer_graph import subgraph_calls
 from kiln.compile.progress import PROGRESS
 
 
@@ -30,11 +31,13 @@ def resolve_backend(backend: str | Callable, mode: str | None, options: dict | N
 
 @dataclass
 class GraphRecord:
-    """One graph the backend compiled: when, how long the backend took, how big it is."""
+    """One graph the backend compiled: when, how long the backend took, how big it is, and the
+    shared subgraphs it calls (identifier -> call sites: outer_graph.py)."""
 
     index: int
     seconds: float
     nodes: int
+    subgraphs: dict[str, int] = field(default_factory=dict)
 
 
 class TrackedBackend:
@@ -67,7 +70,7 @@ class TrackedBackend:
         with PROGRESS.backend_compile(self.name):  # the live compile line (progress.py)
             compiled = self.inner(gm, example_inputs)
         nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method")
-        self.graphs.append(GraphRecord(len(self.graphs), time.perf_counter() - start, nodes))
+        self.graphs.append(GraphRecord(len(self.graphs), time.perf_counter() - start, nodes, subgraph_calls(gm)))
 
         def run_compiled(*args: Any) -> Any:
             self.calls += 1

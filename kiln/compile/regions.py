@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from kiln.compile import isa_probe, kv_cache
+from kiln.compile import isa_probe, kv_cache, outer_graph
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.groups import describe_difference, group_instances, repeats_one_block
 from kiln.compile.monitor import MONITOR, check_recompile_policy
@@ -62,7 +62,7 @@ class CompiledRegion:
     block_class: type
     paths: list[str]
     backend: TrackedBackend
-    kind: str  # "block" or "full"
+    kind: str  # "block", "full", or "outer" (the whole model, its blocks shared subgraphs: outer_graph.py)
     label: str  # the entry function's name, Dynamo's co_name for this region
     compiled_forward: Callable = field(repr=False, default=None)
     compiled_entry: Callable = field(repr=False, default=None)  # the torch.compile'd entry compiled_forward calls
@@ -86,6 +86,8 @@ class CompiledRegion:
     group_differs: str = ""  # how this group's instances differ from the class's first group
     cache_notes: dict[str, str] = field(default_factory=dict)  # KV cache class -> how calls got it (kv_cache.py)
     checkpointed: bool = False  # its instances run under Kiln's activation checkpointing (set at compile)
+    shared_blocks: dict[str, int] = field(default_factory=dict)  # outer: block class -> instances sharing a subgraph
+    first_blocks: list[nn.Module] = field(default_factory=list, repr=False)  # outer: one instance per class
 
     def __post_init__(self) -> None:
         self.checkpointed = hasattr(self.base_forward, "_kiln_checkpointed")
@@ -224,6 +226,7 @@ def compile_regions(
     precompile: str | os.PathLike | None = None,
     in_helpers: bool = False,
     blocks: Mapping[type, list[str]] | None = None,
+    outer_graph: bool = False,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -239,6 +242,9 @@ def compile_regions(
     ahead-of-time compile out, they fill the compile caches and each signature is JIT-compiled here.
     `blocks` (class -> paths): regions already chosen from the same `block_classes`/`block_paths`
     (the Accelerator's plan, kiln/model_plan.py), so they are not chosen twice.
+    `outer_graph=True` compiles the whole model as one graph in which each block class is one
+    shared subgraph (outer_graph.py): a full compile's steady steps where the host bounds them, for
+    about twice a block's compile time (just in time only, torch >= 2.8).
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
@@ -264,9 +270,11 @@ def compile_regions(
             stacklevel=2,
         )
         return compile_full(model, recompile=recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
+    source = chosen_by(model, block_classes, block_paths)
+    if outer_graph:
+        return _compile_outer(model, blocks, kwargs, recompile, precompile, in_helpers, source)
     modules = dict(model.named_modules())
     regions = []
-    source = chosen_by(model, block_classes, block_paths)
     for cls, paths in blocks.items():
         groups = group_instances([modules[p] for p in paths], paths)
         for number, group in enumerate(groups, 1):
@@ -280,6 +288,30 @@ def compile_regions(
     _REGIONS[model] = regions
     if _uses_cudagraphs(kwargs):
         mark_cudagraph_steps(model)
+    _start_cpu_probe(model, kwargs, in_helpers)
+    return model
+
+
+def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: dict[str, Any], recompile: str,
+                   precompile: str | os.PathLike | None, in_helpers: bool, source: str) -> nn.Module:
+    """compile_regions(outer_graph=True): each block class one nested compile region, then the
+    whole model one region around them."""
+    if not outer_graph.supported():
+        raise RuntimeError(f"compile_regions(outer_graph=True) needs torch.compiler.nested_compile_region "
+                           f"(torch >= 2.8); this torch is {torch.__version__}")
+    if precompile is not None or in_helpers:
+        raise NotImplementedError("compile_regions(outer_graph=True) compiles just in time; precompiled regions "
+                                  "(precompile=..., in_helpers) are compiled per block: choose one of the two")
+    modules = dict(model.named_modules())
+    shared = {}
+    for cls, paths in blocks.items():
+        instances = [modules[p] for p in paths]
+        outer_graph.share_block_code(_forward_to_compile(cls, instances, paths), instances)
+        shared[_class_label(cls)] = len(paths)
+    region = _compile_class(type(model), [model], [""], "outer", kwargs, recompile)
+    region.chosen_by, region.shared_blocks = source, shared
+    region.first_blocks = [modules[paths[0]] for paths in blocks.values()]
+    _REGIONS[model] = [region]
     _start_cpu_probe(model, kwargs, in_helpers)
     return model
 
@@ -478,7 +510,8 @@ def _under_checkpointing(region: CompiledRegion, module: nn.Module):
     """Dynamo told to trace, not refuse, Python side effects inside the checkpoint of a block that
     checkpoints its activations, and not to replay them in the backward's recompute: a transformers
     layer that checkpoints itself (`GradientCheckpointingLayer`, `gradient_checkpointing` on, in
-    training with grad), or a block under Kiln's activation checkpointing (with grad). With
+    training with grad; for an outer graph, its blocks), or a block under Kiln's activation
+    checkpointing (with grad). With
     transformers 5.25 and kernels 0.19, the kernelized attention sets and resets a context variable
     (which rotary function runs) inside the layer: torch 2.13 refuses that mutation inside a
     checkpoint, and the whole layer ran eagerly ("HOP: Unsafe side effect"). Nothing in it needs
@@ -487,6 +520,10 @@ def _under_checkpointing(region: CompiledRegion, module: nn.Module):
         return _AS_TORCH_TRACES
     if region.checkpointed:
         checkpoints = torch.is_grad_enabled()
+    elif region.shared_blocks:  # the outer graph: its blocks checkpoint themselves inside it
+        block = region.first_blocks[0] if region.first_blocks else module
+        checkpoints = (getattr(type(block), "gradient_checkpointing", None) is not None
+                       and block.gradient_checkpointing is True and block.training and torch.is_grad_enabled())
     else:
         # Every JIT call of every region asks: the class attribute first (transformers declares it there,
         # False), so other blocks pay no failed instance lookup through nn.Module.__getattr__.
@@ -568,6 +605,9 @@ def uncompile(model: nn.Module) -> nn.Module:
         hook.remove()
     for region in _REGIONS.pop(model, ()):
         modules = dict(model.named_modules())
+        if region.shared_blocks:
+            for module in modules.values():
+                outer_graph.unshare_block_code(module)
         for path in region.paths:
             module = modules[path]
             if getattr(vars(module).get("forward"), "__func__", None) is not region.compiled_forward:

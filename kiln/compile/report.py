@@ -49,6 +49,8 @@ class RegionReport:
     group_differs: str = ""  # how this group's instances differ from the class's first group
     paths: list[str] = field(default_factory=list)  # the instances, as module paths
     kv_caches: dict[str, str] = field(default_factory=dict)  # KV cache class -> how the calls got it
+    shared_blocks: dict[str, int] = field(default_factory=dict)  # outer graph: block class -> instances
+    subgraph_calls: dict[str, int] = field(default_factory=dict)  # its last graph: subgraph -> call sites
 
     @property
     def silent(self) -> bool:
@@ -142,6 +144,11 @@ class CompileReport:
                              f"{', ...' if r.instances > 2 else ''}); unlike #1: {r.group_differs}")
             for kind, note in r.kv_caches.items():
                 lines.append(f"{r.name}: KV cache {kind}: {note}")
+            if r.shared_blocks:
+                sites = ", ".join(f"{n} call site(s)" for n in r.subgraph_calls.values()) or "not compiled yet"
+                lines.append(f"{r.name}: one graph; blocks as shared subgraphs: "
+                             + ", ".join(f"{name} x{n}" for name, n in r.shared_blocks.items())
+                             + f"; {len(r.subgraph_calls)} subgraph(s) in its last graph ({sites})")
         for note in self.settings:
             lines.append(f"setting: {note}")
         if self.timeline:
@@ -191,6 +198,8 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 group_differs=region.group_differs,
                 paths=list(region.paths),
                 kv_caches=dict(region.cache_notes),
+                shared_blocks=dict(region.shared_blocks),
+                subgraph_calls=dict(region.backend.graphs[-1].subgraphs) if region.backend.graphs else {},
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),

@@ -80,13 +80,15 @@ class CompileSession:
         in_helpers, backend = plugin.compile_in_background, kwargs.get("backend", "inductor")
         key = None
         if self.cache is not None:
-            settings = {**kwargs, **context, "regional": plugin.use_regional_compilation}
+            settings = {**kwargs, **context, "regional": plugin.use_regional_compilation,
+                        **({"outer_graph": True} if plugin.outer_graph else {})}
             key = self.cache.key(model, settings, device)
             if self.is_local_main:  # before anything of this job is compiled or loaded, the CPU probe's too
                 self._check_recorded_files(key)
         if plugin.use_regional_compilation:
             compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths, blocks=blocks,
-                            recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
+                            recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers,
+                            outer_graph=plugin.outer_graph, **kwargs)
         else:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
         here = in_helpers and self._compile_here(model)

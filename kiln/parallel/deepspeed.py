@@ -26,7 +26,7 @@ from torch import nn
 from kiln.accumulation import GradientState
 from kiln.checkpoint.weights import load_state_dict, save_state_dict
 from kiln.optim import PreparedOptimizer, PreparedScheduler
-from kiln.parallel.base import Strategy
+from kiln.parallel.base import Strategy, refuse_outer_graph
 from kiln.parallel.deepspeed_config_optimizer import (DummyOptim, DummyScheduler, check_config_sections,
                                                       fill_config_sections)
 from kiln.state import DistributedType
@@ -285,6 +285,7 @@ class DeepSpeedStrategy(Strategy):
         return int(planned_zero_stage(self.plugin))
 
     def check_compile(self, dynamo_plugin: Any) -> None:
+        refuse_outer_graph(dynamo_plugin, "DeepSpeed")
         if self.zero_stage != 3 or dynamo_plugin is None or not dynamo_plugin.enabled:
             return
         if dynamo_plugin.fullgraph and not dynamo_plugin.use_regional_compilation:

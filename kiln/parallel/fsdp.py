@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp, whole_optimizer_state
-from kiln.parallel.base import Strategy
+from kiln.parallel.base import Strategy, refuse_outer_graph
 from kiln.parallel.fsdp_plugin import FullyShardedDataParallelPlugin, ignored_parameters, shard_units
 from kiln.parallel.tensor_parallel import apply_tensor_parallel
 from kiln.state import DistributedType
@@ -93,6 +93,7 @@ class FSDPStrategy(Strategy):
     def check_compile(self, dynamo_plugin: Any) -> None:
         self._regions_compiled = bool(dynamo_plugin is not None and dynamo_plugin.enabled and
                                       dynamo_plugin.use_regional_compilation)
+        refuse_outer_graph(dynamo_plugin, "FSDP2 (and tensor parallel)")
 
     @property
     def saves_shards(self) -> bool:
