@@ -31,6 +31,7 @@ def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload
     if workload == "infer":
         b = result["breakdown"]
         assert b["blocks"] == 4 and b["block_call_us"] > 0 and b["entry_call_us"] > 0
+        assert 0 < b["eager_glue_us"] < b["step_us"] and b["block_in_step_us"] > 0
         assert b["compiled_region_us"] > 0 and b["guards_us"] >= 0  # the profiler saw Dynamo's events
         assert "a regional block call" in render([result])
     else:
