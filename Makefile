@@ -129,6 +129,7 @@ bench: $(DEV_STAMP)
 	$(VENV)/bin/kiln bench --plan buckets --out benchmarks/results --name kiln_bench_buckets_cpu
 	$(VENV)/bin/kiln bench --plan checkpointing --out benchmarks/results --name kiln_bench_checkpointing_cpu
 	$(VENV)/bin/kiln bench --plan host-overhead --out benchmarks/results --name kiln_bench_host_overhead_cpu
+	$(VENV)/bin/kiln bench --plan outer-graph --out benchmarks/results --name kiln_bench_outer_graph_cpu
 	$(VENV)/bin/kiln bench --plan nd-parallel --out benchmarks/results --name kiln_bench_nd_parallel_cpu
 	$(VENV)/bin/kiln bench --plan diffusion --backend aot_eager --out benchmarks/results --name kiln_bench_diffusion_aot_eager_cpu
 	$(VENV)/bin/kiln bench --plan diffusion --out benchmarks/results --name kiln_bench_diffusion_cpu

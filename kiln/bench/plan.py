@@ -82,14 +82,14 @@ SUITE_VARIANTS = {
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
                 "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
-                "parallel-default-cold"),
+                "parallel-default-cold", "outer-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
     "nd-parallel": ("ddp", "fsdp2", "hsdp", "tp-fsdp2"),  # kiln.bench.nd_parallel.layout
 }
 
 
-# The side-by-side plan's own start-up variants.
-SIDE_BY_SIDE = ("full-cold", "parallel-cold", "default-cold", "parallel-default-cold")
+# The side-by-side and outer-graph plans' own start-up variants.
+SIDE_BY_SIDE = ("full-cold", "parallel-cold", "default-cold", "parallel-default-cold", "outer-cold")
 
 
 @dataclass(frozen=True)
@@ -213,6 +213,16 @@ PLANS: dict[str, list[Group]] = {
         Group(["small6"], ["train"], [4], ["regional"], suite="startup",
               variants=["accelerate-regional", "regional-cold", "parallel-cold", "default-cold",
                         "parallel-default-cold"], steps=20),
+    ],
+    # The outer graph (compile_regions(outer_graph=True)) from a cold start beside per-block regions
+    # and the whole model: the first step (its compile) and the steps after, the thin host8 Llama at
+    # batch 1x16 on one thread (where the host bounds a step) and the start-up job's small6 at 4x64
+    # (about 3 minutes on 2 cores).
+    "outer-graph": [
+        Group(["host8"], ["train"], [1], ["regional"], suite="startup", seq={"infer": 16, "train": 16},
+              variants=["full-cold", "regional-cold", "outer-cold"], steps=200, threads=1),
+        Group(["small6"], ["train"], [4], ["regional"], suite="startup",
+              variants=["full-cold", "regional-cold", "outer-cold"], steps=100),
     ],
     # Cold starts of 1 and 2 local processes (torch.distributed.run): does each region compile once
     # per machine? The start-up job's first 20 steps, eager, JIT (every process compiles) and

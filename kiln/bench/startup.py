@@ -12,6 +12,8 @@ Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache fold
     precompiled-warm-copy   a copy of precompiled-cold's folder at another path
     background-cold         compile_in_background=True, an empty folder
     full-cold               Kiln's whole-model compile, JIT, an empty folder (the regional rows' yardstick)
+    outer-cold              regional with outer_graph=True (the whole model one graph, the blocks one
+                            shared subgraph), JIT, an empty folder
     parallel-cold           parallel_compile=True, an empty folder: step 1 eager while a pool of helpers
                             compiles the region groups side by side, a wait, compiled from step 2
     default-cold            regional-cold as most users leave it: fullgraph and dynamic unset (JIT)
@@ -35,6 +37,7 @@ from kiln.bench.plan import measured
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
             "precompiled-warm-copy", "background-cold", "accelerate-regional", "full-cold", "parallel-cold", "default-cold",
+            "outer-cold",
             "parallel-default-cold")
 BUSY = "busy-"
 MILESTONES = (20, 100, 400, 500, 2000)
@@ -142,8 +145,10 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
 
         regional = variant != "full-cold"  # a whole model may break its graph: fullgraph for regions only
         as_left = variant in ("default-cold", "parallel-default-cold")  # fullgraph=False, dynamic unset
-        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional and not as_left,
+        outer = variant == "outer-cold"  # the whole model one graph: like full-cold, it may break
+        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional and not as_left and not outer,
                                    dynamic=None if as_left else False, use_regional_compilation=regional,
+                                   outer_graph=outer,
                                    precompile=variant.startswith("precompiled") or None,
                                    compile_in_background=variant == "background-cold",
                                    parallel_compile=variant in ("parallel-cold", "parallel-default-cold"))

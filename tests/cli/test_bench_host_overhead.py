@@ -36,3 +36,11 @@ def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload
         assert "a regional block call" in render([result])
     else:
         assert "breakdown" not in result
+
+
+def test_the_outer_graph_plan_starts_each_way_cold_beside_regions_and_the_full_compile():
+    rows = build_rows("outer-graph", device="cpu")
+    assert {(r.model, r.variant) for r in rows} == {(m, v) for m in ("host8", "small6")
+                                                     for v in ("full-cold", "regional-cold", "outer-cold")}
+    assert all(r.suite == "startup" and r.workload == "train" for r in rows)
+    assert {(r.model, r.batch, r.seq, r.threads) for r in rows} == {("host8", 1, 16, 1), ("small6", 4, 64, None)}

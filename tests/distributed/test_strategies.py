@@ -178,6 +178,16 @@ def assert_close(expected, got, tolerance=1e-4):
     assert all(abs(a - b) <= tolerance * max(1.0, abs(a)) for a, b in zip(expected, got)), (expected, got)
 
 
+def test_ddp_with_an_outer_graph_matches_the_plain_loop(shared_run):
+    """TorchDynamoPlugin(outer_graph=True) under DDP: the whole model one graph (the blocks one
+    shared subgraph) inside DDP's wrapper, 20 steps of the plain single-process loop's losses."""
+    plain = shared_run(1, "--plain", *TWENTY_STEPS)
+    run = shared_run(2, *TWENTY_STEPS, "--outer-graph")
+    assert run["distributed_type"] == "MULTI_CPU" and run["kinds"] == ["outer"]
+    assert run["calls"] == [20 * 2, 20 * 2]  # one compiled call a micro-batch (two a step) on each rank
+    assert_close(plain["losses"], run["losses"])
+
+
 def test_fp8_under_fsdp2_gives_ddps_numbers_with_every_block_compiled(shared_run):
     """torchao's Float8Linear sharded with FSDP2 (weights gathered, then cast to float8 inside each
     compiled block), 20 steps. DDP's numbers exactly while both round alike; after that a one-ulp

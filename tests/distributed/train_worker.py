@@ -184,6 +184,7 @@ def main() -> None:
     parser.add_argument("--config-optimizer", action="store_true",
                         help="DummyOptim and DummyScheduler for the --ds-config's optimizer and scheduler sections")
     parser.add_argument("--precompile", action="store_true", help="precompiled regions (TorchDynamoPlugin(precompile=True))")
+    parser.add_argument("--outer-graph", action="store_true", help="TorchDynamoPlugin(outer_graph=True)")
     args = parser.parse_args()
     if args.plain:
         plain_loop(args)
@@ -194,7 +195,8 @@ def main() -> None:
 
     set_seed(0)
     plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
-                               use_regional_compilation=True, precompile=args.precompile or None)
+                               use_regional_compilation=True, precompile=args.precompile or None,
+                               outer_graph=args.outer_graph)
     acc = Accelerator(dynamo_plugin=plugin, mixed_precision=args.precision,
                       gradient_accumulation_steps=args.grad_accum,
                       dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=args.stateful,
@@ -298,6 +300,7 @@ def main() -> None:
     compiled_ahead = sum(r.precompiled.stats.compiled for r in compiled_regions(acc.unwrap_model(model))
                          if r.precompiled is not None)
     notes = [n for r in acc.compile_report().regions for n in r.precompile_notes]
+    kinds = [r.kind for r in acc.compile_report().regions]
     units = [name for name, m in acc.unwrap_model(model).named_modules()
              if type(m).__name__.startswith("FSDP")]  # FSDP2 gives each sharded module a class FSDP<Class>
     first = next(acc.unwrap_model(model).parameters())
@@ -317,7 +320,7 @@ def main() -> None:
     all_skipped = [[bool(x) for x in row] for row in acc.gather(torch.tensor([skipped], dtype=torch.int64)).tolist()]
     if acc.is_main_process:
         with open(args.out, "w") as handle:
-            json.dump({"losses": losses, "calls": all_calls, "precompiled_calls": all_precompiled,
+            json.dump({"losses": losses, "calls": all_calls, "precompiled_calls": all_precompiled, "kinds": kinds,
                        "precompile_notes": notes, "compiled_ahead": all_compiled_ahead,
                        "checksums": all_checksums, "skipped": all_skipped,
                        "eval": torch.cat(seen).tolist(), "processes": acc.num_processes,
