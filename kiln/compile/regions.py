@@ -511,11 +511,11 @@ def _under_checkpointing(region: CompiledRegion, module: nn.Module):
     checkpoints its activations, and not to replay them in the backward's recompute: a transformers
     layer that checkpoints itself (`GradientCheckpointingLayer`, `gradient_checkpointing` on, in
     training with grad; for an outer graph, its blocks), or a block under Kiln's activation
-    checkpointing (with grad). With
-    transformers 5.25 and kernels 0.19, the kernelized attention sets and resets a context variable
-    (which rotary function runs) inside the layer: torch 2.13 refuses that mutation inside a
-    checkpoint, and the whole layer ran eagerly ("HOP: Unsafe side effect"). Nothing in it needs
-    replaying; the recompute's arithmetic is the forward's. Other blocks are traced as torch does."""
+    checkpointing (with grad). With transformers 5.25 and kernels 0.19, the kernelized attention
+    sets and resets a context variable (which rotary function runs) inside the layer: torch 2.13
+    refuses that mutation inside a checkpoint, and the whole layer ran eagerly ("HOP: Unsafe side
+    effect"). Nothing in it needs replaying; the recompute's arithmetic is the forward's. Other
+    blocks are traced as torch does."""
     if not _SKIPS_SIDE_EFFECTS_UNDER_CHECKPOINT:
         return _AS_TORCH_TRACES
     if region.checkpointed:
