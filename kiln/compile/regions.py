@@ -302,6 +302,12 @@ def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: d
     if precompile is not None or in_helpers:
         raise NotImplementedError("compile_regions(outer_graph=True) compiles just in time; precompiled regions "
                                   "(precompile=..., in_helpers) are compiled per block: choose one of the two")
+    if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+        # torch 2.13, torchao 0.18: one graph, no subgraph, and gradients off eager's by 0.045 (so are
+        # a full compile's); per-block regions give eager's exactly.
+        raise NotImplementedError("compile_regions(outer_graph=True) with torchao's float8 layers (fp8) is not "
+                                  "supported: Dynamo inlines their blocks instead of sharing them, and the "
+                                  "whole-model graph's gradients differ from eager's; use per-block regions")
     modules = dict(model.named_modules())
     shared = {}
     for cls, paths in blocks.items():
@@ -470,6 +476,8 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
                 MONITOR.after_eager_call(region)
             if len(backend.graphs) != graphs:
                 MONITOR.after_compile(region, policy=not handed_back)
+                if region.shared_blocks:
+                    _check_shared(region)
             return output
         finally:
             PROGRESS.region = outer
@@ -479,6 +487,16 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
 
 
 _NOT_RUN = PrecompiledRegion.NOT_RUN
+
+
+def _check_shared(region: CompiledRegion) -> None:
+    """One warning when an outer graph was compiled with its blocks inlined, not shared: nothing
+    is then gained over a full compile (a block Dynamo cannot make a subgraph of)."""
+    if not region.backend.graphs[-1].subgraphs and "inlined" not in region.warned:
+        region.warned.add("inlined")
+        warnings.warn(f"outer_graph=True: {region.name}'s graph holds no shared block subgraph (Dynamo inlined "
+                      f"{', '.join(region.shared_blocks)}), so it compiled like a full compile; per-block regions "
+                      "(outer_graph=False) compile each block once", KilnCompileWarning, stacklevel=3)
 
 
 def _with_block_caches(region: CompiledRegion, module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -142,3 +142,36 @@ def test_transformers_gradient_checkpointing_stays_inside_the_one_graph():
     (region,) = compiled_regions(model)
     assert region.graphs == 1 and not region.graph_breaks
     assert list(region.backend.graphs[0].subgraphs.values()) == [3]
+
+
+def test_blocks_inlined_instead_of_shared_are_said_once():
+    """An outer graph whose blocks Dynamo inlined (here: never wrapped as nested regions) compiles
+    like a full compile; one warning says so, not a silent loss of the shared code."""
+    from kiln.compile.regions import KilnCompileWarning
+
+    model = tiny_llama(layers=2)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(outer_graph, "share_block_code", lambda forward, instances: None)
+        compile_regions(model, backend="aot_eager", outer_graph=True)
+    ids = torch.randint(0, 97, (2, 16))
+    with pytest.warns(KilnCompileWarning, match="holds no shared block subgraph"):
+        model(input_ids=ids, use_cache=False)
+    with torch.no_grad():  # a second graph: no second warning
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnCompileWarning)
+            model(input_ids=ids, use_cache=False)
+    assert compiled_regions(model)[0].graphs == 2
+
+
+def test_float8_layers_are_refused():
+    """torchao's Float8Linear blocks are inlined, not shared, and the whole graph's gradients differ
+    from eager's (0.045 on this model, as a full compile's do): refused, per-block regions named."""
+    pytest.importorskip("torchao")
+    from kiln.fp8 import convert_to_fp8
+
+    model = tiny_llama(layers=4, width=64)
+    convert_to_fp8(model)
+    with pytest.raises(NotImplementedError, match="float8 layers .* use per-block regions"):
+        compile_regions(model, backend="aot_eager", outer_graph=True)
