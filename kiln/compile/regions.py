@@ -309,14 +309,14 @@ def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: d
                                   "supported: Dynamo inlines their blocks instead of sharing them, and the "
                                   "whole-model graph's gradients differ from eager's; use per-block regions")
     modules = dict(model.named_modules())
-    shared = {}
+    shared, first = {}, []
     for cls, paths in blocks.items():
         instances = [modules[p] for p in paths]
         outer_graph.share_block_code(_forward_to_compile(cls, instances, paths), instances)
         shared[_class_label(cls)] = len(paths)
+        first.append(instances[0])
     region = _compile_class(type(model), [model], [""], "outer", kwargs, recompile)
-    region.chosen_by, region.shared_blocks = source, shared
-    region.first_blocks = [modules[paths[0]] for paths in blocks.values()]
+    region.chosen_by, region.shared_blocks, region.first_blocks = source, shared, first
     _REGIONS[model] = [region]
     _start_cpu_probe(model, kwargs, in_helpers)
     return model
@@ -538,15 +538,13 @@ def _under_checkpointing(region: CompiledRegion, module: nn.Module):
         return _AS_TORCH_TRACES
     if region.checkpointed:
         checkpoints = torch.is_grad_enabled()
-    elif region.shared_blocks:  # the outer graph: its blocks checkpoint themselves inside it
-        block = region.first_blocks[0] if region.first_blocks else module
-        checkpoints = (getattr(type(block), "gradient_checkpointing", None) is not None
-                       and block.gradient_checkpointing is True and block.training and torch.is_grad_enabled())
     else:
+        # An outer graph asks its first block (they checkpoint themselves inside it); a block, itself.
+        block = region.first_blocks[0] if region.first_blocks else module
         # Every JIT call of every region asks: the class attribute first (transformers declares it there,
         # False), so other blocks pay no failed instance lookup through nn.Module.__getattr__.
-        checkpoints = (getattr(type(module), "gradient_checkpointing", None) is not None
-                       and module.gradient_checkpointing is True and module.training and torch.is_grad_enabled())
+        checkpoints = (getattr(type(block), "gradient_checkpointing", None) is not None
+                       and block.gradient_checkpointing is True and block.training and torch.is_grad_enabled())
     if checkpoints:
         return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
     return _AS_TORCH_TRACES

@@ -299,8 +299,9 @@ def main() -> None:
     # signature and which loads it is a race, so a test reads every process's count.
     compiled_ahead = sum(r.precompiled.stats.compiled for r in compiled_regions(acc.unwrap_model(model))
                          if r.precompiled is not None)
-    notes = [n for r in acc.compile_report().regions for n in r.precompile_notes]
-    kinds = [r.kind for r in acc.compile_report().regions]
+    regions = acc.compile_report().regions
+    notes = [n for r in regions for n in r.precompile_notes]
+    kinds = [r.kind for r in regions]
     units = [name for name, m in acc.unwrap_model(model).named_modules()
              if type(m).__name__.startswith("FSDP")]  # FSDP2 gives each sharded module a class FSDP<Class>
     first = next(acc.unwrap_model(model).parameters())
