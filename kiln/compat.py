@@ -147,7 +147,12 @@ class AccelerateCompat:
         """The rank along `tp` (0 without tensor parallelism)."""
         return self._mesh_rank("tp") if self.parallelism_config is not None else 0
 
-    pipeline_parallel_rank = context_parallel_rank = property(lambda self: 0)
+    @property
+    def context_parallel_rank(self) -> int:
+        """The rank along `cp` (0 without context parallelism)."""
+        return self._mesh_rank("cp") if self.parallelism_config is not None else 0
+
+    pipeline_parallel_rank = property(lambda self: 0)
 
     @property
     def fp8_backend(self) -> str | None:
@@ -233,10 +238,30 @@ class AccelerateCompat:
 
     def maybe_context_parallel(self, buffers: Any = None, buffer_seq_dims: Any = None,
                                no_restore_buffers: Any = None) -> contextlib.AbstractContextManager:
-        """Accelerate's context-parallel region: nothing to do without `cp_size` > 1, which Kiln
-        refuses when the Accelerator is built (context parallelism is not done yet), so scripts that
-        always enter it run unchanged."""
-        return contextlib.nullcontext()
+        """With `cp_size` > 1, slice `buffers` (input ids, labels, position ids: every tensor whose
+        dimension `buffer_seq_dims[i]` is the sequence) in place over the `cp` group, and run every
+        `scaled_dot_product_attention` inside as ring attention; put forward and backward inside,
+        once per step. The buffers not in `no_restore_buffers` are whole again afterwards. Without
+        context parallelism it does nothing, as Accelerate's, so scripts that always enter it run.
+
+        Example::
+
+            with accelerator.maybe_context_parallel(buffers=[ids, shift_labels, positions],
+                                                    buffer_seq_dims=[1, 1, 1],
+                                                    no_restore_buffers={ids, shift_labels, positions}):
+                loss = model(input_ids=ids, labels=shift_labels, shift_labels=shift_labels,
+                             position_ids=positions).loss
+                accelerator.backward(loss)
+        """
+        config = self.parallelism_config
+        if config is None or not config.cp_enabled or self.torch_device_mesh is None:
+            return contextlib.nullcontext()
+        from kiln.parallel.context_parallel import context_parallel_region
+
+        return context_parallel_region(self.torch_device_mesh["cp"], buffers if buffers is not None else [],
+                                       buffer_seq_dims if buffer_seq_dims is not None else [],
+                                       no_restore_buffers if no_restore_buffers is not None else set(),
+                                       config.cp_handler.cp_comm_strategy)
 
     def trigger_sync_in_backward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("trigger_sync_in_backward is not supported by Kiln; leave the accumulation "

@@ -74,9 +74,10 @@ class ProcessAPI:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """`gather`, minus the samples repeated at the end of an epoch to even out the processes,
         so an evaluation loop sees each sample of the dataset exactly once."""
-        # Under tensor parallelism the processes of one `tp` group (consecutive ranks) read the same batches.
+        # Under tensor or context parallelism the processes of one `cp` x `tp` group (consecutive
+        # ranks: the innermost mesh dimensions) read the same batches.
         config = getattr(self, "parallelism_config", None)
-        every = config.tp_size if config is not None else 1
+        every = config.non_data_parallel_size if config is not None else 1
         if use_gather_object or not collectives.holds_tensors(input_data):
             parts = collectives.gather_object(input_data)[::every]
             gathered = [x for part in parts for x in (part if isinstance(part, list) else [part])]

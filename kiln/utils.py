@@ -25,6 +25,7 @@ from kiln.local_sgd import LocalSGD  # Accelerate has it in accelerate.local_sgd
 from kiln.kwargs_handlers import (AORecipeKwargs, AutocastKwargs, DDPCommunicationHookType,
                                   DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs,
                                   KwargsHandler, ProfileKwargs)
+from kiln.parallel.context_parallel import TorchContextParallelConfig
 from kiln.parallel.deepspeed import DeepSpeedPlugin
 from kiln.parallel.deepspeed_config_optimizer import DummyOptim, DummyScheduler
 from kiln.parallel.fsdp import FullyShardedDataParallelPlugin
@@ -38,7 +39,7 @@ __all__ = [
     "DistributedDataParallelKwargs", "DistributedType", "DummyOptim", "DummyScheduler", "FP8RecipeKwargs",
     "FullyShardedDataParallelPlugin", "GradScalerKwargs", "GradientAccumulationPlugin", "InitProcessGroupKwargs",
     "KwargsHandler", "LocalSGD", "LoggerType", "MSAMPRecipeKwargs", "MegatronLMDummyScheduler", "PrecisionType",
-    "ProfileKwargs", "ProjectConfiguration", "TERecipeKwargs", "TorchDynamoPlugin", "broadcast_object_list",
+    "ProfileKwargs", "ProjectConfiguration", "TERecipeKwargs", "TorchContextParallelConfig", "TorchDynamoPlugin", "broadcast_object_list",
     "find_executable_batch_size", "gather", "gather_object", "init_empty_weights", "pad_across_processes",
     "reduce", "release_memory", "set_seed", "tqdm",
 ]

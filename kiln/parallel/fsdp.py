@@ -20,6 +20,8 @@ from torch import nn
 
 from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp, whole_optimizer_state
 from kiln.parallel.base import Strategy, refuse_outer_graph
+from kiln.parallel.context_parallel import check_inputs_under_context_parallel, drop_block_masks
+from kiln.parallel.context_parallel import check_model as check_context_parallel_model
 from kiln.parallel.fsdp_plugin import FullyShardedDataParallelPlugin, ignored_parameters, shard_units
 from kiln.parallel.tensor_parallel import apply_tensor_parallel
 from kiln.state import DistributedType
@@ -68,17 +70,23 @@ class FSDPStrategy(Strategy):
         self.mesh: Any = None  # None: every process, one dimension; a 2-D mesh shards within rows, replicates across
         self.tp_mesh: Any = None  # tensor parallel: each block's projections split over this mesh first
         self.shards = True  # False: tensor parallel alone, no data-parallel dimension to shard or sync over
+        self.cp_mesh: Any = None  # context parallel: sequences sliced over this mesh inside maybe_context_parallel
         self._names_before: dict[int, str] = {}
 
-    def use_mesh(self, mesh: Any, tp_mesh: Any = None) -> None:
+    def use_mesh(self, mesh: Any, tp_mesh: Any = None, cp_mesh: Any = None) -> None:
         """Shard over this device mesh (a ParallelismConfig's `fsdp_dim_names`): HSDP when it has two
-        dimensions; with `tp_mesh`, split each block over it first (`mesh` None: nothing to shard)."""
-        self.mesh, self.tp_mesh = mesh, tp_mesh
+        dimensions; with `tp_mesh`, split each block over it first (`mesh` None: nothing to shard);
+        with `cp_mesh`, the model's attention must be one that context parallelism can slice."""
+        self.mesh, self.tp_mesh, self.cp_mesh = mesh, tp_mesh, cp_mesh
         self.shards = mesh is not None or tp_mesh is None
         if not self.shards:
             self.distributed_type = None  # the process state's MULTI_CPU/MULTI_GPU, as Accelerate's TP alone
 
     def parallelize(self, model: nn.Module, block_paths: list[str]) -> None:
+        if self.cp_mesh is not None:
+            check_context_parallel_model(model)
+            check_inputs_under_context_parallel(model)
+            drop_block_masks(model, block_paths)
         if self.tp_mesh is None:
             return
         # Parallelizing replaces the parameters: the optimizer is pointed at them by these names.
@@ -94,6 +102,11 @@ class FSDPStrategy(Strategy):
         self._regions_compiled = bool(dynamo_plugin is not None and dynamo_plugin.enabled and
                                       dynamo_plugin.use_regional_compilation)
         refuse_outer_graph(dynamo_plugin, "FSDP2 (and tensor parallel)")
+        if self.cp_mesh is not None and dynamo_plugin is not None and dynamo_plugin.enabled and dynamo_plugin.precompile:
+            # A precompiled region is traced once, ahead of time, and shared by its signature, which
+            # knows nothing of the context-parallel group its ring attention talks to.
+            raise ValueError("precompiled regions (precompile=True) do not compose with context parallelism "
+                             "(cp_size > 1): leave precompile off, and the regions compile as they run")
 
     @property
     def saves_shards(self) -> bool:

@@ -12,10 +12,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.parallel.context_parallel import TorchContextParallelConfig
+
 ENV_PREFIX = "PARALLELISM_CONFIG_"
 USE_ENV = "KILN_USE_PARALLELISM_CONFIG"  # set by `kiln launch` when any parallelism_config_* setting is given
 _MESH_ORDER = ("dp_replicate", "dp_shard", "cp", "sp", "tp")  # outermost first, as Accelerate and torchtitan
-_NOT_YET = {"cp": "context parallelism", "sp": "sequence parallelism (DeepSpeed Ulysses)"}
+_NOT_YET = {"sp": "sequence parallelism (DeepSpeed Ulysses)"}
 
 
 @dataclass
@@ -23,10 +25,12 @@ class ParallelismConfig:
     """How the processes split the work, as Accelerate's `ParallelismConfig`: `dp_replicate_size`
     copies of the model (DDP-style), each sharded over `dp_shard_size` processes (FSDP2); both >1
     is HSDP; `tp_size` > 1 splits each block's projections over that many processes (tensor
-    parallel), alone or inside each FSDP2 shard group. A size left None is read from
+    parallel), alone or inside each FSDP2 shard group; `cp_size` > 1 slices every sequence over
+    that many processes (context parallel, under FSDP2, which shards over `dp_shard_cp`; steps run
+    inside `accelerator.maybe_context_parallel`). A size left None is read from
     `PARALLELISM_CONFIG_<NAME>` (what `kiln launch` sets), else 1; sizes of 1 everywhere mean plain
-    data parallelism over every process. Kiln does not do context or sequence parallelism yet:
-    `cp_size` or `sp_size` > 1 is refused when the Accelerator is built.
+    data parallelism over every process. Kiln does not do sequence parallelism (DeepSpeed Ulysses):
+    `sp_size` > 1 is refused when the Accelerator is built.
 
     Example (4 processes, two groups of two that each hold one sharded copy)::
 
@@ -66,6 +70,11 @@ class ParallelismConfig:
         if self.cp_size > 1 and self.dp_replicate_size > 1 and self.dp_shard_size == 1:
             raise ValueError("context parallelism (cp_size > 1) does not compose with pure replication "
                              "(dp_replicate_size > 1, dp_shard_size == 1): set dp_shard_size > 1")
+        if self.cp_size > 1 and self.cp_handler is None:
+            self.cp_handler = TorchContextParallelConfig()
+        if self.cp_handler is not None and not isinstance(self.cp_handler, TorchContextParallelConfig):
+            raise TypeError("cp_handler must be a TorchContextParallelConfig (cp_backend='torch'), not "
+                            f"{type(self.cp_handler).__name__}")
 
     # ----- sizes and names, as Accelerate's --------------------------------------------------
     @property
@@ -158,14 +167,18 @@ class ParallelismConfig:
         for name, what in _NOT_YET.items():
             if self._sizes[name] > 1:
                 raise NotImplementedError(f"ParallelismConfig({name}_size={self._sizes[name]}): {what} is not "
-                                          "supported by Kiln yet; use dp_replicate_size, dp_shard_size and tp_size "
-                                          "(DDP, FSDP2, HSDP, tensor parallel)")
+                                          "supported by Kiln yet; use dp_replicate_size, dp_shard_size, tp_size "
+                                          "and cp_size (DDP, FSDP2, HSDP, tensor and context parallel)")
         if self.total_size == 1:
             self.dp_replicate_size = num_processes
         if self.total_size != num_processes:
             raise ValueError(f"ParallelismConfig's sizes multiply to {self.total_size} (dp_replicate_size="
-                             f"{self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x tp_size={self.tp_size}), "
-                             f"but this job has {num_processes} processes")
+                             f"{self.dp_replicate_size} x dp_shard_size={self.dp_shard_size} x tp_size={self.tp_size} "
+                             f"x cp_size={self.cp_size}), but this job has {num_processes} processes")
+        if self.cp_enabled and strategy != "fsdp":
+            raise ValueError(f"context parallelism (cp_size={self.cp_size}) trains under FSDP2, which shards over "
+                             "dp_shard x cp (as in Accelerate): pass fsdp_plugin=FullyShardedDataParallelPlugin() "
+                             f"(or launch with --distributed_type fsdp); this Accelerator's strategy is {strategy}")
         if self.tp_enabled:
             if strategy == "deepspeed":
                 raise ValueError("tensor parallelism does not compose with DeepSpeed here: use FSDP2 "
@@ -173,7 +186,7 @@ class ParallelismConfig:
             if self.dp_replicate_enabled and not self.dp_shard_enabled:
                 raise ValueError("tp_size > 1 with dp_replicate_size > 1 needs dp_shard_size > 1 (as in Accelerate): "
                                  "replicas of a tensor-parallel model are FSDP2's HSDP")
-            if strategy == "fsdp" and not self.dp_shard_enabled:
+            if strategy == "fsdp" and not (self.dp_shard_enabled or self.cp_enabled):
                 raise ValueError("FSDP2 has nothing to shard over: the processes are all tensor-parallel "
                                  "(dp_shard_size is 1). Drop fsdp_plugin (tensor parallel alone), or set dp_shard_size")
             return
@@ -181,7 +194,7 @@ class ParallelismConfig:
             raise ValueError(f"dp_shard_size={self.dp_shard_size} shards the model with FSDP2: pass "
                              "fsdp_plugin=FullyShardedDataParallelPlugin() (or launch with --distributed_type "
                              f"fsdp); this Accelerator's strategy is {strategy}")
-        if strategy == "fsdp" and not self.dp_shard_enabled and num_processes > 1:
+        if strategy == "fsdp" and not (self.dp_shard_enabled or self.cp_enabled) and num_processes > 1:
             raise ValueError("FSDP2 has no dimension to shard over: dp_shard_size is 1. Set dp_shard_size > 1 "
                              "(with dp_replicate_size for HSDP), or train with DDP (no fsdp_plugin)")
         if strategy == "deepspeed" and self.dp_replicate_size != num_processes:
@@ -224,10 +237,10 @@ def build_parallelism(config: ParallelismConfig | None, num_processes: int, stra
 
         if not isinstance(strategy, FSDPStrategy):
             strategy = FSDPStrategy(FullyShardedDataParallelPlugin(), strategy_device(strategy, device_type))
-        strategy.use_mesh(mesh[tuple(config.fsdp_dim_names)] if config.dp_shard_enabled else None,
-                          tp_mesh=mesh["tp"])
+        strategy.use_mesh(mesh[tuple(config.fsdp_dim_names)] if config.dp_shard_enabled or config.cp_enabled else None,
+                          tp_mesh=mesh["tp"], cp_mesh=mesh["cp"] if config.cp_enabled else None)
     elif mesh is not None and hasattr(strategy, "use_mesh"):
-        strategy.use_mesh(mesh[tuple(config.fsdp_dim_names)])
+        strategy.use_mesh(mesh[tuple(config.fsdp_dim_names)], cp_mesh=mesh["cp"] if config.cp_enabled else None)
     return config, mesh, strategy
 
 
@@ -238,9 +251,9 @@ def strategy_device(strategy: Any, device_type: str) -> Any:
 
 
 def data_shard(config: ParallelismConfig | None, mesh: Any, num_processes: int, process_index: int) -> tuple[int, int]:
-    """(how many data-parallel shards, this process's): every process of one tensor-parallel group
-    reads the same batches."""
-    if config is None or mesh is None or not config.tp_enabled:
+    """(how many data-parallel shards, this process's): every process of one tensor- or
+    context-parallel group reads the same batches (context parallel then slices their sequences)."""
+    if config is None or mesh is None or not (config.tp_enabled or config.cp_enabled):
         return num_processes, process_index
     if not config.dp_dim_names:
         return 1, 0

@@ -5,9 +5,9 @@ this machine, each with regional compile from the launcher's environment.
 Accelerate itself refuses ParallelismConfig on the CPU, so there is no Accelerate baseline here:
 each run must train (the losses it prints), checkpoint where the script does, and compile every
 block call. The example's model and data come from stand-ins (hub_standins.py: a 2-layer Llama
-under the 8B's name, TinyStories-shaped text). Two layouts stop inside transformers 5.25, not Kiln,
-and are checked as far as they go: the script's last line, `model.save_pretrained`, fails on an
-FSDP2-sharded model in safetensors ("invalid python storage"), and `from_pretrained(tp_size=2,
+under the 8B's name, TinyStories-shaped text). The sharded layouts stop inside transformers 5.25,
+not Kiln, and are checked as far as they go: the script's last line, `model.save_pretrained`, fails
+on an FSDP2-sharded model in safetensors ("invalid python storage"); and `from_pretrained(tp_size=2,
 tp_plan="auto")` builds its own mesh that must span every process, so dp_shard x tp cannot load.
 """
 
@@ -26,6 +26,8 @@ LAYOUTS = {  # name: (processes, the script's own flags)
     "tp2": (2, ["--tp-size", "2"]),
     "fsdp2": (2, ["--dp-shard-size", "2"]),
     "hsdp2x2": (4, ["--dp-replicate-size", "2", "--dp-shard-size", "2"]),
+    # context parallel: FSDP2 over dp_shard x cp, ring attention over each cp pair (on the CPU too)
+    "fsdp2cp2": (4, ["--dp-shard-size", "2", "--cp-size", "2"]),
 }
 COMPILE = {"KILN_DYNAMO_BACKEND": "aot_eager", "KILN_DYNAMO_USE_REGIONAL_COMPILATION": "true"}
 
@@ -73,7 +75,7 @@ def test_tensor_parallel_runs_to_the_end_and_saves_the_model(runs):
     assert (run.work / "outputs" / "NousResearch" / "Hermes-3-Llama-3.1-8B" / "config.json").is_file()
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "hsdp2x2"])
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp2x2", "fsdp2cp2"])
 def test_sharded_layouts_write_the_scripts_checkpoint_and_stop_only_in_save_pretrained(runs, name):
     run = runs[name]
     shards = list((run.work / "outputs" / "checkpoint-2").rglob("*.distcp"))

@@ -264,6 +264,31 @@ def test_tensor_parallel_alone_and_inside_fsdp2_match_the_plain_loop_and_resume_
     assert_close(both["losses"][1:], alone["losses"], 1e-5)
 
 
+# The same twenty steps on sequences whose labels come shifted and whose positions are given, as
+# context parallelism needs them (a slice of a sequence then holds its own labels and positions).
+CONTEXT_STEPS = ("--model", "llama-next", *TWENTY_STEPS[2:])
+
+
+def test_context_parallel_inside_fsdp2_matches_the_plain_loop_and_resumes_on_one_process(tmp_path, shared_run):
+    """dp_shard_size=2 x cp_size=2 on four processes: each pair of a cp group reads one batch and
+    keeps half of every sequence (the head and tail quarters, or the middle ones), attention runs as
+    ring attention over the pair inside every compiled block, and FSDP2 shards over all four (the
+    flattened dp_shard_cp). 20 steps of the plain loop's losses, clipping included; evaluation
+    gathers each sample once; the shards resume on one process with the unbroken run's losses."""
+    plain = shared_run(1, "--plain", *CONTEXT_STEPS)
+    run = run_worker(tmp_path, 4, *CONTEXT_STEPS, "--fsdp", "--parallelism",
+                     json.dumps({"dp_shard_size": 2, "cp_size": 2}), "--save-at", "1", "--keep-training")
+    assert run["mesh"] == ["dp_shard", "cp"] and run["distributed_type"] == "FSDP"
+    assert run["dp_ranks"] == [[0, 0], [0, 0], [0, 1], [0, 1]]  # ranks 0-1 read one shard, 2-3 the other
+    assert run["calls"] == [3 * 40] * 4  # every call of the 3 blocks compiled, 40 micro-batches
+    assert_close(plain["losses"], run["losses"])
+    assert sorted(run["eval"]) == [float(i) for i in range(10)]
+    assert run["keys"] == plain["keys"] and len(set(run["checksums"])) == 1
+    assert abs(run["checksums"][0] - plain["checksum"]) < 1e-4 * abs(plain["checksum"])
+    alone = run_worker(tmp_path, 1, *CONTEXT_STEPS, "--resume-from", str(tmp_path / "ckpt"))
+    assert_close(run["losses"][1:], alone["losses"], 1e-5)
+
+
 def test_precompiled_tensor_parallel_regions_are_compiled_once_per_tensor_parallel_group(tmp_path, shared_run):
     """dp_shard_size=2 x tp_size=2 with precompiled regions: the compiled collectives call this
     process's tensor-parallel group by name, so ranks 0-1 and 2-3 cannot share code; each group

@@ -55,18 +55,29 @@ def training_data(args):
     if args.model == "llama":
         tokens = torch.randint(0, 97, (args.samples, 16), generator=generator)
         return TensorDataset(tokens, tokens.clone())
+    if args.model == "llama-next":  # labels already shifted, so a slice of a sequence holds its own
+        tokens = torch.randint(0, 97, (args.samples, 17), generator=generator)
+        return TensorDataset(tokens[:, :-1].clone(), tokens[:, 1:].clone())
     x, y = torch.randn(args.samples, 3, 8, generator=generator), torch.randn(args.samples, 3, generator=generator)
     return TensorDataset(x, y)
 
 
 def build_model(args):
-    return tiny_llama(layers=3, width=64, init_std=0.08) if args.model == "llama" else Regressor()
+    return tiny_llama(layers=3, width=64, init_std=0.08) if args.model.startswith("llama") else Regressor()
 
 
-def model_loss(args, model, inputs, targets):
+def model_loss(args, model, inputs, targets, positions=None):
     if args.model == "llama":
         return {"loss": model(input_ids=inputs, labels=targets, use_cache=False)["loss"]}
+    if args.model == "llama-next":  # as Accelerate's nd_parallel example: labels shifted, positions given
+        positions = positions if positions is not None else sequence_positions(inputs)
+        return {"loss": model(input_ids=inputs, labels=targets, shift_labels=targets, position_ids=positions,
+                              use_cache=False)["loss"]}
     return model(inputs, targets)
+
+
+def sequence_positions(inputs):
+    return torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs).clone()
 
 
 def build_optimizer(args, model):
@@ -171,7 +182,7 @@ def main() -> None:
     parser.add_argument("--teacher", action="store_true", help="also prepare a frozen model and distil from it")
     parser.add_argument("--poison-step", type=int, default=0,
                         help="put an inf into rank 0's gradients (its shard only) before this optimizer step")
-    parser.add_argument("--model", choices=["regressor", "llama"], default="regressor")
+    parser.add_argument("--model", choices=["regressor", "llama", "llama-next"], default="regressor")
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--clip", type=lambda v: None if v == "none" else float(v), default=1.0,
@@ -258,13 +269,19 @@ def main() -> None:
         batches = acc.skip_first_batches(loader, skip) if skip else loader
         for inputs, targets in batches:
             with acc.accumulate(model):
-                outputs = model_loss(args, model, inputs, targets)
-                loss = outputs["loss"]
-                if teacher is not None:
-                    with torch.no_grad():
-                        hint = teacher(inputs)["prediction"]
-                    loss = loss + 0.1 * torch.nn.functional.mse_loss(outputs["prediction"], hint)
-                acc.backward(loss)
+                positions = sequence_positions(inputs) if args.model == "llama-next" else None
+                # Context parallel: each process of a cp group keeps a slice of every sequence, for
+                # forward and backward alike (elsewhere the context does nothing).
+                sliced = [inputs, targets, positions] if positions is not None else []
+                with acc.maybe_context_parallel(buffers=sliced, buffer_seq_dims=[1] * len(sliced),
+                                                no_restore_buffers=set(sliced)):
+                    outputs = model_loss(args, model, inputs, targets, positions)
+                    loss = outputs["loss"]
+                    if teacher is not None:
+                        with torch.no_grad():
+                            hint = teacher(inputs)["prediction"]
+                        loss = loss + 0.1 * torch.nn.functional.mse_loss(outputs["prediction"], hint)
+                    acc.backward(loss)
                 window += acc.reduce(loss.detach(), "mean").item() / args.grad_accum
                 if acc.sync_gradients and progress.steps + 1 == args.poison_step and acc.process_index == 0:
                     grad = next(p.grad for p in model.parameters() if p.grad is not None)

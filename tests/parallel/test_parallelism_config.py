@@ -7,6 +7,7 @@ import pytest
 from kiln import Accelerator, ParallelismConfig
 from kiln.cli.settings import load_config_file, process_environment, resolve
 from kiln.parallel.parallelism_config import from_environment
+from kiln.utils import FullyShardedDataParallelPlugin, TorchContextParallelConfig
 
 
 @pytest.fixture(autouse=True)
@@ -41,6 +42,7 @@ def test_sizes_left_unset_come_from_the_launchers_variables(monkeypatch):
     ({"cp_size": 2, "sp_size": 2}, ValueError, "exclude each other"),
     ({"cp_size": 2, "dp_replicate_size": 2}, ValueError, "pure replication"),
     ({"cp_backend": "ring"}, ValueError, "cp_backend must be 'torch'"),
+    ({"cp_size": 2, "cp_handler": {"cp_comm_strategy": "alltoall"}}, TypeError, "must be a TorchContextParallelConfig"),
 ])
 def test_invalid_combinations_fail_at_construction(fields, error, message):
     with pytest.raises(error, match=message):
@@ -51,7 +53,9 @@ def test_invalid_combinations_fail_at_construction(fields, error, message):
     ({"tp_size": 2}, 2, "fsdp", "FSDP2 has nothing to shard over: the processes are all tensor-parallel"),
     ({"tp_size": 2, "dp_replicate_size": 2}, 4, "ddp", "needs dp_shard_size > 1"),
     ({"tp_size": 2}, 2, "deepspeed", "does not compose with DeepSpeed"),
-    ({"cp_size": 2, "dp_shard_size": 1}, 2, "fsdp", "context parallelism is not supported"),
+    ({"sp_size": 2}, 2, "fsdp", "sequence parallelism .* is not supported"),
+    ({"cp_size": 2}, 2, "ddp", r"context parallelism \(cp_size=2\) trains under FSDP2"),
+    ({"cp_size": 2, "tp_size": 2}, 4, "deepspeed", "FSDP2"),
     ({"dp_shard_size": 2}, 4, "fsdp", "multiply to 2 .* 4 processes"),
     ({"dp_shard_size": 2}, 2, "ddp", "pass fsdp_plugin=FullyShardedDataParallelPlugin"),
     ({"dp_replicate_size": 2}, 2, "fsdp", "FSDP2 has no dimension to shard over"),
@@ -60,6 +64,22 @@ def test_invalid_combinations_fail_at_construction(fields, error, message):
 def test_a_config_that_does_not_fit_the_job_is_refused_naming_the_fix(fields, processes, strategy, message):
     with pytest.raises((ValueError, NotImplementedError), match=message):
         ParallelismConfig(**fields).fit_to(processes, strategy)
+
+
+@pytest.mark.parametrize("fields, processes", [({"cp_size": 2}, 2), ({"cp_size": 2, "dp_shard_size": 2}, 4),
+                                               ({"cp_size": 2, "tp_size": 2}, 4)])
+def test_context_parallel_layouts_fit_fsdp2_and_shard_over_dp_shard_cp(fields, processes):
+    config = ParallelismConfig(**fields)
+    config.fit_to(processes, "fsdp")
+    assert config.fsdp_dim_names == ["dp_shard_cp"] and "cp" in config.non_dp_dim_names
+    assert config.cp_handler.cp_comm_strategy == "allgather"
+
+
+def test_the_context_parallel_comm_strategy_is_accelerates_and_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("PARALLELISM_CONFIG_CP_COMM_STRATEGY", "alltoall")
+    assert ParallelismConfig(cp_size=2).cp_handler.cp_comm_strategy == "alltoall"
+    with pytest.raises(ValueError, match="cp_comm_strategy must be one of allgather, alltoall, not 'ring'"):
+        TorchContextParallelConfig(cp_comm_strategy="ring")
 
 
 def test_sizes_of_one_become_data_parallelism_over_every_process():
@@ -72,8 +92,10 @@ def test_the_accelerator_holds_the_config_and_refuses_what_kiln_does_not_do():
     accelerator = Accelerator(parallelism_config=ParallelismConfig())
     assert accelerator.parallelism_config.total_size == 1 and accelerator.torch_device_mesh is None
     assert (accelerator.data_parallel_rank, accelerator.data_parallel_shard_rank) == (0, 0)
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        Accelerator(parallelism_config=ParallelismConfig(cp_size=2, dp_shard_size=1))
+    with pytest.raises(NotImplementedError, match="sequence parallelism"):
+        Accelerator(parallelism_config=ParallelismConfig(sp_size=2))
+    with pytest.raises(ValueError, match="multiply to 2 .* 1 processes"):
+        Accelerator(parallelism_config=ParallelismConfig(cp_size=2), fsdp_plugin=FullyShardedDataParallelPlugin())
     with pytest.raises(TypeError, match="kiln ParallelismConfig"):
         Accelerator(parallelism_config={"dp_shard_size": 2})
 
