@@ -9,6 +9,8 @@ rank:
     fsdp2      dp_shard = processes
     hsdp       dp_replicate 2 x dp_shard processes/2
     tp-fsdp2   dp_shard processes/2 x tp 2 (each block's projections split over 2)
+    cp-fsdp2   dp_shard processes/2 x cp 2 (each sequence split over 2, ring attention; labels
+               shifted ahead and positions given, as context parallelism needs them)
 Measured on each process: the first step (compile included), the median of the steady steps, the
 bytes of model state it holds (its shards of the parameters, their gradients and AdamW's state)
 and its peak resident memory. Tokens per second are the job's: the global batch over the slowest
@@ -30,7 +32,7 @@ from typing import Any
 from kiln.bench.child import RESULT_PREFIX
 from kiln.bench.plan import MODEL_SIZES, measured
 
-VARIANTS = ("ddp", "fsdp2", "hsdp", "tp-fsdp2")
+VARIANTS = ("ddp", "fsdp2", "hsdp", "tp-fsdp2", "cp-fsdp2")
 
 
 def layout(variant: str, processes: int) -> dict[str, int]:
@@ -38,7 +40,8 @@ def layout(variant: str, processes: int) -> dict[str, int]:
     half = max(1, processes // 2)
     return {"ddp": {"dp_replicate_size": processes}, "fsdp2": {"dp_shard_size": processes},
             "hsdp": {"dp_replicate_size": 2, "dp_shard_size": half},
-            "tp-fsdp2": {"dp_shard_size": half, "tp_size": 2}}[variant]
+            "tp-fsdp2": {"dp_shard_size": half, "tp_size": 2},
+            "cp-fsdp2": {"dp_shard_size": half, "cp_size": 2}}[variant]
 
 
 def command(row: dict[str, Any]) -> list[str]:
@@ -59,7 +62,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     config = ParallelismConfig(**sizes)
     plugin = TorchDynamoPlugin(backend=row["backend"], use_regional_compilation=True)
     acc = Accelerator(parallelism_config=config, dynamo_plugin=plugin,
-                      fsdp_plugin=FullyShardedDataParallelPlugin() if config.dp_shard_enabled else None)
+                      fsdp_plugin=FullyShardedDataParallelPlugin() if config.dp_shard_enabled or config.cp_enabled else None)
     torch.manual_seed(row["seed"])
     llama = transformers.LlamaConfig(**MODEL_SIZES[row["model"]], use_cache=False,
                                      max_position_embeddings=max(2048, row["seq"]))
@@ -72,9 +75,19 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     share = row["batch"] // readers
     local = ids[reader * share:(reader + 1) * share]
 
+    shifted = torch.cat([local[:, 1:], torch.full_like(local[:, :1], -100)], dim=1)
+    positions = torch.arange(row["seq"]).expand_as(local)
+
     def step() -> None:
-        loss = model(input_ids=local, labels=local).loss
-        acc.backward(loss)
+        if not config.cp_enabled:
+            loss = model(input_ids=local, labels=local).loss
+            acc.backward(loss)
+        else:  # each process keeps its slice of the step's own copies
+            sliced = [local.clone(), shifted.clone(), positions.clone()]
+            with acc.maybe_context_parallel(buffers=sliced, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(sliced)):
+                ids_, labels_, positions_ = sliced
+                loss = model(input_ids=ids_, labels=labels_, shift_labels=labels_, position_ids=positions_).loss
+                acc.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
 

@@ -84,7 +84,7 @@ SUITE_VARIANTS = {
                 "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
                 "parallel-default-cold", "outer-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
-    "nd-parallel": ("ddp", "fsdp2", "hsdp", "tp-fsdp2"),  # kiln.bench.nd_parallel.layout
+    "nd-parallel": ("ddp", "fsdp2", "hsdp", "tp-fsdp2", "cp-fsdp2"),  # kiln.bench.nd_parallel.layout
 }
 
 

@@ -40,9 +40,9 @@ def add_parser(commands: Any) -> None:
                     "`--plan checkpointing`: activation memory and step time with transformers' gradient "
                     "checkpointing, eager and regionally compiled (about 2 minutes); "
                     "`--plan local-processes`: cold starts of 1 and 2 local processes, CPU-seconds of the "
-                    "whole process tree (about 3 minutes); `--plan nd-parallel`: DDP, FSDP2, HSDP and tensor "
-                    "parallel inside FSDP2 on 4 local processes, tokens per second and model state per "
-                    "process (about 6 minutes).")
+                    "whole process tree (about 3 minutes); `--plan nd-parallel`: DDP, FSDP2, HSDP, and tensor "
+                    "and context parallel inside FSDP2 on 4 local processes, tokens per second and model state "
+                    "per process (about 4 minutes).")
     parser.add_argument("--plan", choices=list(PLANS), default=None,
                         help="what to measure (default: gpu on a CUDA device, else cpu)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

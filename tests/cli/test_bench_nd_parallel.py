@@ -14,6 +14,7 @@ def test_the_plan_is_each_layout_on_four_processes():
     assert {(r.model, r.workload, r.batch, r.processes, r.threads) for r in rows} == {("small", "train", 8, 4, 1)}
     assert layout("hsdp", 4) == {"dp_replicate_size": 2, "dp_shard_size": 2}
     assert layout("tp-fsdp2", 4) == {"dp_shard_size": 2, "tp_size": 2}
+    assert layout("cp-fsdp2", 4) == {"dp_shard_size": 2, "cp_size": 2}
 
 
 def test_the_job_is_as_slow_as_its_slowest_process_and_as_big_as_its_biggest():
@@ -37,3 +38,5 @@ def test_every_layout_trains_on_four_processes_and_sharding_shrinks_the_state():
     # Every process of DDP holds the whole model; FSDP2 over 4 holds about a quarter of it.
     assert results["fsdp2"]["state_mib"] < 0.3 * results["ddp"]["state_mib"]
     assert results["fsdp2"]["state_mib"] < results["hsdp"]["state_mib"] < results["ddp"]["state_mib"]
+    # Context parallel inside FSDP2 shards over dp_shard x cp, all four: FSDP2's state.
+    assert results["cp-fsdp2"]["state_mib"] == pytest.approx(results["fsdp2"]["state_mib"], rel=0.05)
