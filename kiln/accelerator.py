@@ -21,7 +21,6 @@ from kiln.accumulation import GradientAccumulationPlugin, check_steps
 from kiln.arguments import choose_dynamo_plugin, dataloader_settings, env_flag, gradient_state, handler_kwargs
 from kiln.checkpoint.api import CheckpointAPI
 from kiln.checkpoint.weights import clean_state_dict, save_state_dict
-from kiln.activation_checkpointing import apply_activation_checkpointing
 from kiln.compile.regions import uncompile
 from kiln.compile.report import CompileReport
 from kiln.compile.session import CompileSession
@@ -32,7 +31,7 @@ from kiln.parallel import DDPStrategy, SingleProcess, Strategy
 from kiln.parallel.deepspeed import DeepSpeedPlugin, DeepSpeedStrategy
 from kiln.parallel.deepspeed_config_optimizer import DummyScheduler, refuse_without_engine
 from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
-from kiln.model_plan import plan_model
+from kiln.model_plan import PrepareParts, plan_model, transform
 from kiln.parallel.parallelism_config import ParallelismConfig, build_parallelism, data_shard
 from kiln.plugins import DataLoaderConfiguration, TorchDynamoPlugin
 from kiln.precision import Precision, remove_precision_wrapper
@@ -240,9 +239,10 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
                       evaluation_mode: bool = False) -> nn.Module:
-        """Device, fp8's float8 linear layers, tensor parallel, activation checkpointing, compile (in
-        place), the precision wrapper around the compiled forward, and last the strategy (DDP wrapper,
-        FSDP2 shards)."""
+        """Device, fp8's float8 linear layers, then the model's plan and its transformations in
+        order (kiln/model_plan.py): tensor parallel, context parallel's hooks, activation
+        checkpointing, compile (in place), the precision wrapper around the compiled forward, and
+        last the strategy (DDP wrapper, FSDP2 shards)."""
         self._refuse_second_prepare(model)
         # cpu_ram_efficient_loading: a process other than the main one may hold empty (meta) weights,
         # which the strategy replaces with the main process's once sharded.
@@ -252,24 +252,13 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
         if (device_placement if device_placement is not None else self.device_placement) and \
                 not (receives and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))):
             model.to(self.device)
-        # The order is torchtitan's: float8, tensor parallel, checkpointing, compile, shard. Each
-        # compiled block then holds the float8 matmuls, the split projections and their collectives,
-        # and its own recompute; FSDP2 shards what was compiled. One plan: the blocks, chosen once.
+        # float8 first: it changes the modules the plan is made of (the first and last linears stay
+        # in high precision, so the first block may differ from the others). Then one plan, the
+        # blocks chosen once, and the transformations in their order (kiln/model_plan.py).
         self.precision.convert_linears(model, self.strategy.name)
-        plan = plan_model(model, self.dynamo_plugin)
-        if not evaluation_mode:
-            self.strategy.parallelize(model, plan.block_paths)
-        if self.strategy.activation_checkpointing and not evaluation_mode:
-            apply_activation_checkpointing(model, plan.block_paths)
-        # Compile before the autocast wrapper: the wrapper then calls the compiled forward, and
-        # every compiled region runs inside autocast (DESIGN.md, "mixed precision must not hide").
-        self.compiler.compile(model, self.device, {"precision": self.precision.mode, "strategy": self.strategy.name},
-                              blocks=plan.blocks if plan.regional else None)
-        self.precision.wrap_forward(model)
-        if evaluation_mode:
-            model.eval()
-        # Last, the strategy: DDP wraps, FSDP2 shards each block (the compiled ones) then the root.
-        wrapped = model if evaluation_mode else self.strategy.wrap_model(model, plan.block_paths)
+        plan = plan_model(model, self.dynamo_plugin, training=not evaluation_mode,
+                          parallelism_config=self.parallelism_config)
+        wrapped = transform(model, plan, PrepareParts(self.precision, self.strategy, self.compiler, self.device))
         self._models.append(wrapped)
         self._prepared.add(model)
         self._prepared.add(wrapped)

@@ -20,8 +20,6 @@ from torch import nn
 
 from kiln.checkpoint.sharded import load_dcp, load_whole_into_sharded, save_dcp, whole_optimizer_state
 from kiln.parallel.base import Strategy, refuse_outer_graph
-from kiln.parallel.context_parallel import check_inputs_under_context_parallel, drop_block_masks
-from kiln.parallel.context_parallel import check_model as check_context_parallel_model
 from kiln.parallel.fsdp_plugin import FullyShardedDataParallelPlugin, ignored_parameters, shard_units
 from kiln.parallel.tensor_parallel import apply_tensor_parallel
 from kiln.state import DistributedType
@@ -76,17 +74,13 @@ class FSDPStrategy(Strategy):
     def use_mesh(self, mesh: Any, tp_mesh: Any = None, cp_mesh: Any = None) -> None:
         """Shard over this device mesh (a ParallelismConfig's `fsdp_dim_names`): HSDP when it has two
         dimensions; with `tp_mesh`, split each block over it first (`mesh` None: nothing to shard);
-        with `cp_mesh`, the model's attention must be one that context parallelism can slice."""
+        with `cp_mesh`, sequences are sliced over it (which precompiled regions cannot follow)."""
         self.mesh, self.tp_mesh, self.cp_mesh = mesh, tp_mesh, cp_mesh
         self.shards = mesh is not None or tp_mesh is None
         if not self.shards:
             self.distributed_type = None  # the process state's MULTI_CPU/MULTI_GPU, as Accelerate's TP alone
 
     def parallelize(self, model: nn.Module, block_paths: list[str]) -> None:
-        if self.cp_mesh is not None:
-            check_context_parallel_model(model)
-            check_inputs_under_context_parallel(model)
-            drop_block_masks(model, block_paths)
         if self.tp_mesh is None:
             return
         # Parallelizing replaces the parameters: the optimizer is pointed at them by these names.
