@@ -97,10 +97,15 @@ class FSDPStrategy(Strategy):
                                       dynamo_plugin.use_regional_compilation)
         refuse_outer_graph(dynamo_plugin, "FSDP2 (and tensor parallel)")
         if self.cp_mesh is not None and dynamo_plugin is not None and dynamo_plugin.enabled and dynamo_plugin.precompile:
-            # A precompiled region is traced once, ahead of time, and shared by its signature, which
-            # knows nothing of the context-parallel group its ring attention talks to.
+            # A precompiled region is compiled by one process and loaded by the others, but ring
+            # attention's compiled code is each process's own: its rank in the cp group decides which
+            # chunks it computes and which it skips. Loaded elsewhere, it issues other collectives than
+            # its group expects (seen on torch 2.13: gloo "Received data size doesn't match expected
+            # size" in the first backward).
             raise ValueError("precompiled regions (precompile=True) do not compose with context parallelism "
-                             "(cp_size > 1): leave precompile off, and the regions compile as they run")
+                             "(cp_size > 1): ring attention compiles differently on each process of a cp group, "
+                             "so one process's code cannot be shared. Leave precompile off, and the regions "
+                             "compile as they run")
 
     @property
     def saves_shards(self) -> bool:
