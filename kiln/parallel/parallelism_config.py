@@ -1,7 +1,7 @@
 """Accelerate's `ParallelismConfig`: the sizes of the parallel dimensions (dp_replicate, dp_shard,
 tp, cp, sp), their validation, and the device mesh built from them under Accelerate's names.
 
-Depends on torch and kiln.plugins (parse_bool) only. The Accelerator builds the mesh; the FSDP2
+Depends on torch, kiln.plugins (parse_bool) and kiln.parallel.context_parallel (its handler) only. The Accelerator builds the mesh; the FSDP2
 strategy shards over its `fsdp_dim_names` (HSDP when dp_replicate_size > 1).
 """
 
@@ -133,7 +133,9 @@ class ParallelismConfig:
         return self.dp_dim_names + self.non_dp_dim_names
 
     def to_json(self) -> dict[str, Any]:
-        return copy.deepcopy({k: v for k, v in vars(self).items() if k != "device_mesh"})
+        """The fields as plain values (a handler as its own fields), for trackers and JSON."""
+        return copy.deepcopy({k: dict(vars(v)) if hasattr(v, "__dict__") else v
+                              for k, v in vars(self).items() if k != "device_mesh"})
 
     # ----- the mesh ----------------------------------------------------------------------------
     def build_device_mesh(self, device_type: str) -> Any:

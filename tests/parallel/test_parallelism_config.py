@@ -1,6 +1,8 @@
-"""ParallelismConfig with Accelerate's fields, names and checks; what Kiln does not do yet (context
-and sequence parallelism) is refused by name. HSDP and tensor parallelism run in
+"""ParallelismConfig with Accelerate's fields, names and checks; what Kiln does not do yet
+(sequence parallelism) is refused by name. HSDP, tensor and context parallelism run in
 tests/distributed/test_strategies.py (four processes)."""
+
+import json
 
 import pytest
 
@@ -73,6 +75,7 @@ def test_context_parallel_layouts_fit_fsdp2_and_shard_over_dp_shard_cp(fields, p
     config.fit_to(processes, "fsdp")
     assert config.fsdp_dim_names == ["dp_shard_cp"] and "cp" in config.non_dp_dim_names
     assert config.cp_handler.cp_comm_strategy == "allgather"
+    assert json.loads(json.dumps(config.to_json()))["cp_handler"] == {"cp_comm_strategy": "allgather"}
 
 
 def test_the_context_parallel_comm_strategy_is_accelerates_and_read_from_the_environment(monkeypatch):
