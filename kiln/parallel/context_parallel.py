@@ -239,6 +239,8 @@ def _cpu_ring_forward(op_call: Any, args: tuple, kwargs: dict) -> Any:
     query, key, value = args[:3]
     dropout_p = args[3] if len(args) > 3 else kwargs.get("dropout_p", 0.0)
     is_causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+    if kwargs.get("attn_mask") is not None:  # ring attention has no mask to slice; never drop one silently
+        raise ValueError(_MASK_ERROR)
     mesh = query.device_mesh
     outputs = _torch_cp_attention()._templated_ring_attention(
         mesh.get_group(), 2, torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
