@@ -214,6 +214,7 @@ def _enable_cpu_ring_attention() -> None:
                                         _cpu_ring_backward)
 
 
+@functools.cache  # looked up by each attention call's handler: once is enough
 def _torch_cp_attention() -> Any:
     try:
         from torch.distributed.tensor.experimental._context_parallel import _attention
