@@ -23,6 +23,27 @@ import torch
 from torch import nn
 
 
+def compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The outer graph's compile settings: the user's, with Inductor's buffer reuse off.
+
+    torch 2.13.0 and 2.14.1 (not 2.11; 2.12 not tried), Inductor, CPU: a graph that calls one
+    nested region at several call sites trains with wrong gradients while buffer reuse is on (a
+    2-layer Llama's embedding gradient off eager's by 5131; the loss right). Plain torch.compile
+    with `nested_compile_region` does the same, Kiln or not; `allow_buffer_reuse=False` gives eager's
+    gradients (within 1e-7). Intermediates are still freed when dead; only reusing a dead buffer's
+    memory for a new one inside the graph is off. Asking for buffer reuse here is refused.
+    """
+    if kwargs.get("backend", "inductor") != "inductor":
+        return kwargs
+    options = dict(kwargs.get("options") or {})
+    if options.get("allow_buffer_reuse", False):
+        raise ValueError("options={'allow_buffer_reuse': True} with an outer graph: on torch 2.13 and 2.14 "
+                         "Inductor's buffer reuse gives wrong gradients to a graph that calls one nested region "
+                         "several times (kiln/compile/outer_graph.py); leave it unset")
+    options["allow_buffer_reuse"] = False
+    return {**kwargs, "options": options}
+
+
 def supported() -> bool:
     """Whether this torch has nested compile regions (torch.compiler.nested_compile_region)."""
     return callable(getattr(torch.compiler, "nested_compile_region", None))

@@ -315,7 +315,7 @@ def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: d
         outer_graph.share_block_code(_forward_to_compile(cls, instances, paths), instances)
         shared[_class_label(cls)] = len(paths)
         first.append(instances[0])
-    region = _compile_class(type(model), [model], [""], "outer", kwargs, recompile)
+    region = _compile_class(type(model), [model], [""], "outer", outer_graph.compile_kwargs(kwargs), recompile)
     region.chosen_by, region.shared_blocks, region.first_blocks = source, shared, first
     _REGIONS[model] = [region]
     _start_cpu_probe(model, kwargs, in_helpers)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln import Accelerator, TorchDynamoPlugin
-from kiln.compile.regions import compiled_regions
+from kiln.compile.regions import compile_regions, compiled_regions
 from toy_models import tiny_llama
 
 pytestmark = pytest.mark.inductor
@@ -30,3 +30,27 @@ def test_inductor_regional_training_step_matches_eager():
     (region,) = compiled_regions(compiled)
     assert (region.name, region.instances, region.graphs, region.calls) == ("LlamaDecoderLayer", 3, 1, 3)
     optimizer.step()
+
+
+def test_inductor_outer_graph_training_step_gives_eagers_gradients():
+    # torch 2.13 and 2.14.1: with Inductor's buffer reuse on, a graph calling one nested region at
+    # several call sites gave gradients off eager's by thousands (the loss right); aot_eager, which
+    # the other outer-graph tests use, never showed it (kiln/compile/outer_graph.py compile_kwargs).
+    torch.manual_seed(0)
+    eager = tiny_llama(2, width=64, init_std=0.08)
+    compiled = tiny_llama(2, width=64, init_std=0.08)
+    compiled.load_state_dict(eager.state_dict())
+    compile_regions(compiled, backend="inductor", outer_graph=True)
+    ids = torch.randint(0, 97, (2, 16))
+    for _ in range(2):
+        expected = eager(input_ids=ids, labels=ids, use_cache=False).loss
+        expected.backward()
+        loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=name)
+        eager.zero_grad()
+        compiled.zero_grad()
+    (region,) = compiled_regions(compiled)
+    assert (region.kind, region.calls, region.backend.graphs[-1].subgraphs) == ("outer", 2, {"subgraph_0": 2})

@@ -69,6 +69,20 @@ def test_precompiled_regions_and_a_torch_without_nested_regions_are_refused(monk
         compile_regions(tiny_llama(layers=2), backend="aot_eager", outer_graph=True)
 
 
+def test_inductors_buffer_reuse_is_off_in_the_outer_graph_and_asking_for_it_is_refused():
+    # Buffer reuse gave wrong gradients there (torch 2.13, 2.14.1): the real compile is in test_inductor.py.
+    model = compile_regions(tiny_llama(layers=2), backend="inductor", outer_graph=True, options={"max_autotune": False})
+    (region,) = compiled_regions(model)
+    assert region.backend.inner.config["allow_buffer_reuse"] is False
+    assert region.backend.inner.config["max_autotune"] is False  # the user's options kept
+    with pytest.raises(ValueError, match="buffer reuse gives wrong gradients"):
+        compile_regions(tiny_llama(layers=2), backend="inductor", outer_graph=True,
+                        options={"allow_buffer_reuse": True})
+    # Per-block regions call no nested region: their settings are the user's.
+    (block,) = compiled_regions(compile_regions(tiny_llama(layers=2), backend="inductor"))
+    assert "allow_buffer_reuse" not in block.backend.inner.config
+
+
 def test_the_accelerator_trains_with_an_outer_graph_like_the_plain_loop():
     """TorchDynamoPlugin(use_regional_compilation=True, outer_graph=True) through prepare: AdamW
     steps with the plain eager loop's losses, one graph a step, the blocks one shared subgraph."""
