@@ -100,8 +100,9 @@ class TorchDynamoPlugin:
     use_regional_compilation: bool | None = None  # KILN_DYNAMO_USE_REGIONAL_COMPILATION, default False
     # The whole model one graph, each block class one shared subgraph (None: KILN_DYNAMO_OUTER_GRAPH,
     # default off; with use_regional_compilation, JIT only): a full compile's steady steps for
-    # about twice a block's compile time (kiln/compile/outer_graph.py).
-    outer_graph: bool | None = None
+    # about twice a block's compile time (kiln/compile/outer_graph.py). "background": per-block
+    # regions first, the outer graph once a helper process has compiled it (kiln/compile/tier_up.py).
+    outer_graph: bool | str | None = None
     # Regional compilation targets; None finds repeated blocks automatically.
     block_classes: tuple[type | str, ...] | None = None
     block_paths: tuple[str, ...] | None = None
@@ -157,7 +158,10 @@ class TorchDynamoPlugin:
             self.use_regional_compilation = parse_bool(raw, name) if raw is not None else False
         if self.outer_graph is None:
             raw = _env("OUTER_GRAPH", env)
-            self.outer_graph = parse_bool(raw, ENV_PREFIX + "OUTER_GRAPH") if raw is not None else False
+            if raw is not None and raw.strip().lower() == "background":
+                self.outer_graph = "background"
+            else:
+                self.outer_graph = parse_bool(raw, ENV_PREFIX + "OUTER_GRAPH") if raw is not None else False
         if self.recompile is None:
             self.recompile = _env("RECOMPILE", env) or "warn"
         if self.compile_in_background is None:
@@ -231,15 +235,15 @@ class TorchDynamoPlugin:
             if self.cache is False:
                 raise ValueError("precompile=True keeps its artifacts in the compile cache folder; "
                                  "it cannot be used with cache=False")
-        if not isinstance(self.outer_graph, bool):
-            raise TypeError(f"TorchDynamoPlugin.outer_graph must be a bool, got {self.outer_graph!r}")
+        if not isinstance(self.outer_graph, bool) and self.outer_graph != "background":
+            raise TypeError(f"TorchDynamoPlugin.outer_graph must be a bool or 'background', got {self.outer_graph!r}")
         if self.outer_graph and not self.use_regional_compilation:
-            raise ValueError("outer_graph=True compiles the model around its regions: set "
+            raise ValueError(f"outer_graph={self.outer_graph!r} compiles the model around its regions: set "
                              "use_regional_compilation=True with it")
         if self.outer_graph and self.precompile:
             cause = "compile_in_background=True" if self.compile_in_background else "precompile=True"
-            raise ValueError(f"outer_graph=True compiles just in time, and {cause} precompiles each block "
-                             "on its own: choose one of the two")
+            raise ValueError(f"outer_graph={self.outer_graph!r} compiles the outer graph just in time, and {cause} "
+                             "precompiles each block on its own: choose one of the two")
         if (self.block_classes or self.block_paths) and not self.use_regional_compilation:
             raise ValueError(
                 "block_classes/block_paths choose the regions of a regional compile; "

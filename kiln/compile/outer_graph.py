@@ -49,14 +49,24 @@ def supported() -> bool:
     return callable(getattr(torch.compiler, "nested_compile_region", None))
 
 
-def share_block_code(forward: Callable, instances: list[nn.Module]) -> Callable:
+def share_block_code(forward: Callable, instances: list[nn.Module], outside: Callable | None = None) -> Callable:
     """Make every instance's forward run `forward` (the class's, or the one function Kiln's
     activation checkpointing gave them all) as one nested compile region, in place; returns the
-    instance forward, which `uncompile` recognises. Outside a compiled graph it runs `forward`."""
+    instance forward, which `uncompile` recognises. Outside a compiled graph it runs `outside`
+    (the block's own compiled region, while the outer graph is compiled in the background:
+    tier_up.py), or `forward` itself when none is given."""
     shared = torch.compiler.nested_compile_region(forward)
 
-    def block_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return shared(module, *args, **kwargs)
+    if outside is None:
+        def block_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            return shared(module, *args, **kwargs)
+    else:
+        # Dynamo reads is_compiling() as True while it traces the outer graph, so the graph holds
+        # the shared subgraph and nothing of the eager branch.
+        def block_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return shared(module, *args, **kwargs)
+            return outside(module, *args, **kwargs)
 
     block_forward._kiln_shared_block = forward  # what uncompile puts back
     for module in instances:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe, kv_cache, outer_graph
+from kiln.compile.tier_up import TierUp
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.groups import describe_difference, group_instances, repeats_one_block
 from kiln.compile.monitor import MONITOR, check_recompile_policy
@@ -88,6 +89,7 @@ class CompiledRegion:
     checkpointed: bool = False  # its instances run under Kiln's activation checkpointing (set at compile)
     shared_blocks: dict[str, int] = field(default_factory=dict)  # outer: block class -> instances sharing a subgraph
     first_blocks: list[nn.Module] = field(default_factory=list, repr=False)  # outer: one instance per class
+    tier_up: TierUp | None = field(default=None, repr=False)  # outer, compiled in the background (tier_up.py)
 
     def __post_init__(self) -> None:
         self.checkpointed = hasattr(self.base_forward, "_kiln_checkpointed")
@@ -226,7 +228,7 @@ def compile_regions(
     precompile: str | os.PathLike | None = None,
     in_helpers: bool = False,
     blocks: Mapping[type, list[str]] | None = None,
-    outer_graph: bool = False,
+    outer_graph: bool | str = False,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -244,12 +246,16 @@ def compile_regions(
     (the Accelerator's plan, kiln/model_plan.py), so they are not chosen twice.
     `outer_graph=True` compiles the whole model as one graph in which each block class is one
     shared subgraph (outer_graph.py): a full compile's steady steps where the host bounds them, for
-    about twice a block's compile time (just in time only, torch >= 2.8).
+    about twice a block's compile time (just in time only, torch >= 2.8). `outer_graph="background"`
+    starts on per-block regions and moves each call signature to the outer graph once a helper
+    process has compiled it into Inductor's caches (tier_up.py): a per-block start, a full
+    compile's steady steps.
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
     kwargs = _check_compile_kwargs(torch_compile_kwargs)
     check_recompile_policy(recompile)
+    check_outer_graph(outer_graph)
     if kwargs.get("disable"):
         warnings.warn("compile_regions(disable=True) leaves the model uncompiled", KilnCompileWarning, 2)
         return model
@@ -271,8 +277,11 @@ def compile_regions(
         )
         return compile_full(model, recompile=recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
     source = chosen_by(model, block_classes, block_paths)
-    if outer_graph:
+    if outer_graph is True:
         return _compile_outer(model, blocks, kwargs, recompile, precompile, in_helpers, source)
+    if outer_graph:
+        _check_outer(model, precompile, in_helpers, f"outer_graph={outer_graph!r}")
+        _check_background_outer(kwargs)
     modules = dict(model.named_modules())
     regions = []
     for cls, paths in blocks.items():
@@ -285,6 +294,8 @@ def compile_regions(
             region.group = (number, len(groups))
             region.group_differs = describe_difference(group, groups[0]) if number > 1 else ""
             regions.append(region)
+    if outer_graph:
+        regions.append(_outer_in_background(model, regions, kwargs, recompile, source))
     _REGIONS[model] = regions
     if _uses_cudagraphs(kwargs):
         mark_cudagraph_steps(model)
@@ -296,18 +307,7 @@ def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: d
                    precompile: str | os.PathLike | None, in_helpers: bool, source: str) -> nn.Module:
     """compile_regions(outer_graph=True): each block class one nested compile region, then the
     whole model one region around them."""
-    if not outer_graph.supported():
-        raise RuntimeError(f"compile_regions(outer_graph=True) needs torch.compiler.nested_compile_region "
-                           f"(torch >= 2.8); this torch is {torch.__version__}")
-    if precompile is not None or in_helpers:
-        raise NotImplementedError("compile_regions(outer_graph=True) compiles just in time; precompiled regions "
-                                  "(precompile=..., in_helpers) are compiled per block: choose one of the two")
-    if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
-        # torch 2.13, torchao 0.18: one graph, no subgraph, and gradients off eager's by 0.045 (so are
-        # a full compile's); per-block regions give eager's exactly.
-        raise NotImplementedError("compile_regions(outer_graph=True) with torchao's float8 layers (fp8) is not "
-                                  "supported: Dynamo inlines their blocks instead of sharing them, and the "
-                                  "whole-model graph's gradients differ from eager's; use per-block regions")
+    _check_outer(model, precompile, in_helpers, "outer_graph=True")
     modules = dict(model.named_modules())
     shared, first = {}, []
     for cls, paths in blocks.items():
@@ -320,6 +320,74 @@ def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: d
     _REGIONS[model] = [region]
     _start_cpu_probe(model, kwargs, in_helpers)
     return model
+
+
+OUTER_GRAPH_VALUES = (False, True, "background")
+
+
+def check_outer_graph(value: Any) -> bool | str:
+    """`outer_graph` is False, True or "background"; anything else is an error."""
+    if not any(value is v if isinstance(v, bool) else value == v for v in OUTER_GRAPH_VALUES):
+        raise ValueError(f"outer_graph must be False, True or 'background', got {value!r}")
+    return value
+
+
+def _check_outer(model: nn.Module, precompile: str | os.PathLike | None, in_helpers: bool, setting: str) -> None:
+    """What an outer graph needs, whether compiled now or in the background."""
+    if not outer_graph.supported():
+        raise RuntimeError(f"compile_regions({setting}) needs torch.compiler.nested_compile_region "
+                           f"(torch >= 2.8); this torch is {torch.__version__}")
+    if precompile is not None or in_helpers:
+        raise NotImplementedError(f"compile_regions({setting}) compiles the outer graph just in time; precompiled "
+                                  "regions (precompile=..., in_helpers) are compiled per block: choose one of the two")
+    if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+        # torch 2.13, torchao 0.18: one graph, no subgraph, and gradients off eager's by 0.045 (so are
+        # a full compile's); per-block regions give eager's exactly.
+        raise NotImplementedError(f"compile_regions({setting}) with torchao's float8 layers (fp8) is not "
+                                  "supported: Dynamo inlines their blocks instead of sharing them, and the "
+                                  "whole-model graph's gradients differ from eager's; use per-block regions")
+
+
+def _check_background_outer(kwargs: dict[str, Any]) -> None:
+    """outer_graph="background" hands the outer graph to the helper through Inductor's caches: refuse
+    it where they are off, and say once that another backend's output is not cached (the outer graph
+    is then compiled whole here, when the helper is done)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise NotImplementedError("outer_graph='background' runs in a single process for now: every process would "
+                                  "start its own helper; use outer_graph=True, or per-block regions")
+    if kwargs.get("backend", "inductor") == "inductor":
+        if torch._inductor.config.force_disable_caches:
+            raise ValueError("outer_graph='background' needs Inductor's compile caches, through which the helper "
+                             "hands over the outer graph, and they are off (TORCHINDUCTOR_FORCE_DISABLE_CACHES)")
+    else:
+        warnings.warn(f"outer_graph='background' with backend {kwargs['backend']!r}: only Inductor's output is "
+                      "cached, so the outer graph is compiled again here, whole, when the helper is done",
+                      KilnCompileWarning, stacklevel=4)
+
+
+def _outer_in_background(model: nn.Module, regions: list[CompiledRegion], kwargs: dict[str, Any], recompile: str,
+                         source: str) -> CompiledRegion:
+    """compile_regions(outer_graph="background"): the per-block regions stay each block's forward
+    outside a compiled graph, and become its shared subgraph inside the outer graph, which the
+    model's forward (tier_up.TierUp) runs once the helper has compiled the call's signature."""
+    modules = dict(model.named_modules())
+    groups, shared, first = [], {}, []
+    for region in regions:
+        instances = [modules[p] for p in region.paths]
+        block_forward = outer_graph.share_block_code(region.base_forward, instances, outside=region.compiled_forward)
+        block_forward._kiln_region = region  # still this region's forward, for _already_compiled
+        groups.append((region.base_forward, list(region.paths)))
+        label = _class_label(region.block_class)
+        shared[label] = shared.get(label, 0) + len(region.paths)
+        first.append(instances[0])
+    kwargs = outer_graph.compile_kwargs(kwargs)
+    outer = _compile_class(type(model), [model], [""], "outer", kwargs, recompile)
+    outer.chosen_by, outer.shared_blocks, outer.first_blocks = source, shared, first
+    outer.tier_up = TierUp(outer, groups, kwargs, KilnCompileWarning)
+    model.forward = types.MethodType(outer.tier_up.forward, model)
+    return outer
 
 
 def _start_cpu_probe(model: nn.Module, kwargs: dict[str, Any], in_helpers: bool) -> None:
@@ -581,9 +649,17 @@ def _already_compiled(model: nn.Module) -> bool:
         if getattr(module, "_compiled_call_impl", None) is not None:
             return True
         forward = vars(module).get("forward")
-        if forward is not None and hasattr(getattr(forward, "__func__", None), "_kiln_region"):
+        if forward is not None and (hasattr(getattr(forward, "__func__", None), "_kiln_region")
+                                    or _tier_up_of(module) is not None):
             return True
     return False
+
+
+def _tier_up_of(module: nn.Module) -> TierUp | None:
+    """The TierUp whose forward `module` runs (bound to it: MethodType(tier_up.forward, module))."""
+    method = getattr(vars(module).get("forward"), "__func__", None)
+    owner = getattr(method, "__self__", None)
+    return owner if isinstance(owner, TierUp) else None
 
 
 def _check_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -619,8 +695,18 @@ def uncompile(model: nn.Module) -> nn.Module:
     hook = _STEP_HOOKS.pop(model, None)
     if hook is not None:
         hook.remove()
-    for region in _REGIONS.pop(model, ()):
+    # An outer graph compiled in the background first: it gives the blocks back their per-block regions.
+    for region in sorted(_REGIONS.pop(model, ()), key=lambda r: r.tier_up is None):
         modules = dict(model.named_modules())
+        if region.tier_up is not None:
+            region.tier_up.close()
+            if _tier_up_of(model) is region.tier_up:
+                del model.forward
+            for module in modules.values():  # back to their per-block regions, undone below
+                forward = getattr(vars(module).get("forward"), "__func__", None)
+                if getattr(forward, "_kiln_shared_block", None) is not None:
+                    module.forward = types.MethodType(forward._kiln_region.compiled_forward, module)
+            continue
         if region.shared_blocks:
             for module in modules.values():
                 outer_graph.unshare_block_code(module)

@@ -51,11 +51,14 @@ class RegionReport:
     kv_caches: dict[str, str] = field(default_factory=dict)  # KV cache class -> how the calls got it
     shared_blocks: dict[str, int] = field(default_factory=dict)  # outer graph: block class -> instances
     subgraph_calls: dict[str, int] = field(default_factory=dict)  # its last graph: subgraph -> call sites
+    # outer_graph="background" (kiln/compile/tier_up.py): per signature, when it switched or why it did not.
+    background_outer: list[str] = field(default_factory=list)
+    waiting_for_helper: bool = False  # an outer graph the helper is still compiling: not run yet, by design
 
     @property
     def silent(self) -> bool:
         """Meant to run compiled, yet no compiled code ran."""
-        return self.compiled_calls == 0
+        return self.compiled_calls == 0 and not self.waiting_for_helper
 
     @property
     def ran(self) -> str:
@@ -149,6 +152,11 @@ class CompileReport:
                 lines.append(f"{r.name}: one graph; blocks as shared subgraphs: "
                              + ", ".join(f"{name} x{n}" for name, n in r.shared_blocks.items())
                              + f"; {len(r.subgraph_calls)} subgraph(s) in its last graph ({sites})")
+            if r.waiting_for_helper and not r.compiled_calls:
+                lines.append(f"{r.name}: the outer graph is being compiled in the background; the per-block "
+                             "regions run meanwhile")
+            for note in r.background_outer:
+                lines.append(f"{r.name}: {note}")
         for note in self.settings:
             lines.append(f"setting: {note}")
         if self.timeline:
@@ -200,6 +208,8 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 kv_caches=dict(region.cache_notes),
                 shared_blocks=dict(region.shared_blocks),
                 subgraph_calls=dict(region.backend.graphs[-1].subgraphs) if region.backend.graphs else {},
+                background_outer=list(region.tier_up.notes) if region.tier_up is not None else [],
+                waiting_for_helper=region.tier_up is not None and region.tier_up.waiting,
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),

@@ -81,7 +81,7 @@ class CompileSession:
         key = None
         if self.cache is not None:
             settings = {**kwargs, **context, "regional": plugin.use_regional_compilation,
-                        **({"outer_graph": True} if plugin.outer_graph else {})}
+                        **({"outer_graph": plugin.outer_graph} if plugin.outer_graph else {})}
             key = self.cache.key(model, settings, device)
             if self.is_local_main:  # before anything of this job is compiled or loaded, the CPU probe's too
                 self._check_recorded_files(key)

@@ -135,5 +135,6 @@ def refuse_outer_graph(dynamo_plugin: Any, strategy: str) -> None:
     """A strategy whose hooks gather or shard around each block (FSDP2, DeepSpeed) needs each block
     its own region: one graph around them would have to trace those hooks."""
     if dynamo_plugin is not None and dynamo_plugin.enabled and getattr(dynamo_plugin, "outer_graph", False):
-        raise NotImplementedError(f"TorchDynamoPlugin(outer_graph=True) is not supported under {strategy}, whose hooks "
+        raise NotImplementedError(f"TorchDynamoPlugin(outer_graph={dynamo_plugin.outer_graph!r}) is not supported under "
+                                  f"{strategy}, whose hooks "
                                   "run around each block; use regional compilation without it (outer_graph=False)")

@@ -1,6 +1,8 @@
 """Real Inductor compiles (tens of seconds each on a CPU): the few places where code generation,
 not just tracing, must be shown to work."""
 
+import time
+
 import pytest
 import torch
 
@@ -54,3 +56,32 @@ def test_inductor_outer_graph_training_step_gives_eagers_gradients():
         compiled.zero_grad()
     (region,) = compiled_regions(compiled)
     assert (region.kind, region.calls, region.backend.graphs[-1].subgraphs) == ("outer", 2, {"subgraph_0": 2})
+
+
+@pytest.mark.warm_starts  # a helper's cold compile beside training's: about a minute, so CI's warm-starts lane
+def test_inductor_outer_graph_compiled_in_the_background_is_found_in_the_caches(tmp_path, monkeypatch):
+    """outer_graph="background": the helper's compile fills Inductor's caches, and the training
+    process's compile at the switch finds every graph there (no miss), with eager's gradients."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: the helper fills it
+    torch.manual_seed(0)
+    eager = tiny_llama(2, width=64, init_std=0.08)
+    compiled = tiny_llama(2, width=64, init_std=0.08)
+    compiled.load_state_dict(eager.state_dict())
+    compile_regions(compiled, backend="inductor", outer_graph="background")
+    block, outer = compiled_regions(compiled)
+    ids = torch.randint(0, 97, (2, 16))
+    began, after = time.monotonic(), 0
+    while after < 2:
+        expected = eager(input_ids=ids, labels=ids, use_cache=False).loss
+        expected.backward()
+        loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+        for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-4, msg=name)
+        eager.zero_grad()
+        compiled.zero_grad()
+        after += bool(outer.calls)
+        assert time.monotonic() - began < 400, "the outer graph never took over"
+    assert outer.cache_misses == 0 and outer.cache_hits > 0, (outer.cache_hits, outer.cache_misses)
+    assert outer.calls == 2 and block.cache_misses > 0  # the blocks compiled cold, here

@@ -79,6 +79,12 @@ class Job:
     device: str
     signature: tuple
     aot_off: str | None = None  # the settings rule out an ahead-of-time compile: fill the caches only
+    # An outer graph's blocks (kiln/compile/tier_up.py): per group, the forward they share as one
+    # nested compile region (module, qualname) and their module paths in the skeleton.
+    shared_blocks: tuple[tuple[tuple[str, str], tuple[str, ...]], ...] = ()
+    # Arguments that were one tensor (labels=input_ids): (argument, the earlier argument it is), each an
+    # index into args or a keyword. Dynamo gives such a call one graph input, so the helper must too.
+    same_tensors: tuple[tuple[int | str, int | str], ...] = ()
 
 
 def _path_of(obj: Any) -> tuple[str, str]:
@@ -102,6 +108,36 @@ def example_inputs(signature: tuple) -> tuple[tuple, dict]:
     args = tuple(_example(d) for d in fields["args"])
     kwargs = {k: _example(d) for k, d in fields["kwargs"]}
     return args, kwargs
+
+
+def same_tensors(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple[int | str, int | str], ...]:
+    """The arguments of a call that are a tensor an earlier argument is too: (this one, that one)."""
+    seen: dict[int, int | str] = {}
+    same = []
+    for name, value in [*enumerate(args), *kwargs.items()]:
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                same.append((name, seen[id(value)]))
+            else:
+                seen[id(value)] = name
+    return tuple(same)
+
+
+def with_same_tensors(args: tuple, kwargs: dict[str, Any], same: tuple) -> tuple[tuple, dict[str, Any]]:
+    """Example inputs with the call's repeated tensors made one again (`same_tensors`)."""
+    if not same:
+        return args, kwargs
+    args, kwargs = list(args), dict(kwargs)
+
+    def slot(name):
+        return args[name] if isinstance(name, int) else kwargs[name]
+
+    for name, earlier in same:
+        if isinstance(name, int):
+            args[name] = slot(earlier)
+        else:
+            kwargs[name] = slot(earlier)
+    return tuple(args), kwargs
 
 
 def _example(desc: Any) -> Any:
@@ -139,8 +175,10 @@ class BackgroundCompiler:
     """The training process's handle on its helper processes (kiln/compile/artifacts/compile_pool.py):
     submit jobs, see which are done, and (`wait_for_all`) block until all are."""
 
-    def __init__(self, log_dir: str | os.PathLike, workers: int | None = None, blocking: bool = False) -> None:
+    def __init__(self, log_dir: str | os.PathLike, workers: int | None = None, blocking: bool = False,
+                 on_failure: str | None = None) -> None:
         self.log_dir = Path(log_dir)
+        self.on_failure = on_failure  # what the warning says happens when the helpers fail, if not the default
         # blocking: training waits for the pool after its first step (parallel_compile), so the pool
         # may take every core; else it takes the cores training leaves it (`default_workers`).
         self.blocking = blocking
@@ -265,8 +303,9 @@ class BackgroundCompiler:
     def abandon(self, why: str) -> None:
         """Stop the helpers and JIT-compile their outstanding regions here: said once, as a warning."""
         self.abandoned = why
-        self._fail(why, then="compiling in the foreground instead: the regions it had not compiled yet are "
-                             "JIT-compiled at this step boundary, reusing what it finished")
+        self._fail(why, then=self.on_failure or ("compiling in the foreground instead: the regions it had not "
+                                                 "compiled yet are JIT-compiled at this step boundary, reusing "
+                                                 "what it finished"))
         self.pool.kill()
 
     def wait_for_all(self, poll_seconds: float = 0.05) -> float:
@@ -371,8 +410,9 @@ class BackgroundCompiler:
         except OSError as exc:
             self._fail(f"the background compiler could not be started ({type(exc).__name__}: {exc})")
 
-    def _fail(self, why: str, then: str = "the regions it had not compiled yet are JIT-compiled in the "
-                                         "training process at the next step boundary") -> None:
+    def _fail(self, why: str, then: str | None = None) -> None:
+        then = then or self.on_failure or ("the regions it had not compiled yet are JIT-compiled in the "
+                                           "training process at the next step boundary")
         self.failure = why
         self._restore_threads()
         if not self._warned:

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.background import Job, _cpu_inductor, _import, _import_runtime, example_inputs
+from kiln.compile.artifacts.background import (Job, _cpu_inductor, _import, _import_runtime, example_inputs,
+                                               with_same_tensors)
 from kiln.compile.artifacts.compile_pool import READY, _read_frame, _write_frame
 from kiln.compile.messages import first_line
 
@@ -69,7 +70,14 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
     torch.set_num_threads(fields["num_threads"])  # loaded code guards on it: the training process's count
     for flag, submodule in zip(fields["training"], module.modules()):
         submodule.training = flag
-    args, kwargs = example_inputs(job.signature)
+    if job.shared_blocks:  # an outer graph (tier_up.py): its blocks one nested region each, as in training
+        from kiln.compile.outer_graph import share_block_code
+        modules = dict(module.named_modules())
+        for forward_path, paths in job.shared_blocks:
+            block_forward = _import(forward_path)
+            # The same instance forward as the training process's (outside=...), so Dynamo traces the same code.
+            share_block_code(block_forward, [modules[p] for p in paths], outside=block_forward)
+    args, kwargs = with_same_tensors(*example_inputs(job.signature), job.same_tensors)
     entry = region_entry(forward, job.label)
     region = PrecompiledRegion(job.directory, job.region, job.label, entry, cls, forward, job.compile_kwargs)
     if job.region not in aot_refused:
@@ -80,10 +88,25 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
         if compiled is not None:
             return None
         aot_refused[job.region] = "; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing"
-    fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
+    with _as_training_traces(job, module, fields):
+        fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
     # For the other local processes, which watch the folder rather than the helper's answers.
     region.mark_jit_only(job.signature, aot_refused[job.region])
     return aot_refused[job.region]
+
+
+def _as_training_traces(job: Job, module: nn.Module, fields: dict[str, Any]):
+    """The Dynamo setting the training process traces an outer graph under when its blocks
+    checkpoint themselves (regions._under_checkpointing): side effects inside a checkpoint traced,
+    not replayed. Elsewhere nothing."""
+    import contextlib
+
+    first = next((m for m in module.modules() if getattr(type(m), "gradient_checkpointing", None) is not None),
+                 None) if job.shared_blocks else None
+    if (first is not None and first.gradient_checkpointing is True and first.training and fields["grad_enabled"]
+            and hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint")):
+        return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    return contextlib.nullcontext()
 
 
 def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module, args: tuple,

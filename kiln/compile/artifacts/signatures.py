@@ -111,6 +111,12 @@ def _mesh_key(mesh: Any) -> tuple:
     return known[1]
 
 
+def argument_key(value: Any) -> Any:
+    """One argument's part of `call_key` (a tensor by its shape, dtype, device, requires_grad and
+    strides; a plain value by itself); UnsupportedCall for a value it cannot describe."""
+    return _key(value)
+
+
 def _key(value: Any) -> Any:
     kind = type(value)
     if kind is torch.Tensor or kind is nn.Parameter:

@@ -1,0 +1,151 @@
+"""Per-block regions first, the outer graph once a helper has compiled it:
+`compile_regions(outer_graph="background")`.
+
+Depends on torch and kiln.compile (the outer graph's block sharing, the background compiler, call
+signatures); never on kiln.compile.regions, the facade or a strategy. Where the host bounds a step,
+per-block regions run at 1.4-1.6x a full compile's step but start after one block's compile; the
+outer graph (outer_graph.py) runs at a full compile's speed, but its cold compile costs 0.7-0.8x a
+full compile's, mostly gcc building the glue's kernels (issue 34; docs/compiling.md). Here the
+model starts on its per-block regions while a helper process (kiln/compile/artifacts/background.py),
+on a core training leaves it, JIT-compiles the outer graph for the call's signature into Inductor's
+caches. At the model's first call with that signature after the helper is done, the outer graph is
+compiled here from those caches (Dynamo traces the model again; Inductor builds nothing) and runs
+from then on. A signature the helper has not done (an evaluation under no_grad) keeps the per-block
+regions until it has; one it cannot do keeps them for good, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.compile.artifacts.background import (BackgroundCompiler, Job, _path_of, same_tensors, signature_text,
+                                               weightless_copy)
+from kiln.compile.artifacts.signatures import UnsupportedCall, argument_key, autocast_state, call_signature, signature_digest
+
+# SEEN: called once. The job goes to the helper at a signature's second call, once the per-block
+# regions have compiled: sent at the first, the helper's compile (gcc) took turns with theirs on 2
+# cores, and the first step of the 8-layer host8 Llama took 12.6 s instead of 7.0 s.
+SEEN, PENDING, READY, KEPT = "seen", "pending", "ready", "kept"  # KEPT: stays on the per-block regions
+_AOT_OFF = "the outer graph is compiled just in time: the helper fills the compile caches"
+
+
+class TierUp:
+    """The root forward of a model compiled with `outer_graph="background"`: per call, the outer
+    graph where the helper has compiled the call's signature, else the model's own forward, whose
+    blocks run their per-block regions. `groups`: per block region group, the forward its instances
+    share as one nested region (outer_graph.share_block_code) and their module paths."""
+
+    def __init__(self, outer: Any, groups: list[tuple[Callable, list[str]]], compile_kwargs: dict[str, Any],
+                 warn: type[Warning]) -> None:
+        self.outer = outer  # the CompiledRegion of kind "outer"; its compiled_forward runs the outer graph
+        self.groups = groups
+        self.compile_kwargs = dict(compile_kwargs)
+        self.warn = warn
+        self.states: dict[tuple, str] = {}
+        self._digests: dict[tuple, tuple[str, str, float]] = {}  # key -> (digest, signature text, when sent)
+        self.notes: list[str] = []  # for the report: switches and signatures kept on the per-block regions
+        self.per_block_calls = 0  # calls that ran the per-block regions
+        self.folder: str | None = None
+        self.compiler: BackgroundCompiler | None = None
+        self.failure: str | None = None  # the helpers failed: later signatures stay per-block too
+        self._warned = False
+
+    @property
+    def waiting(self) -> bool:
+        """A signature is on its way to the outer graph (met once, or with the helper)."""
+        return any(state is SEEN or state is PENDING for state in self.states.values())
+
+    def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), module.training, autocast_state(),
+                   tuple(argument_key(a) for a in args), tuple((k, argument_key(v)) for k, v in kwargs.items()),
+                   same_tensors(args, kwargs))
+        except UnsupportedCall as exc:  # a KV cache object: generation stays on the per-block regions
+            key = None
+            self._keep_note(f"a call with {exc} runs the per-block regions (the helper cannot rebuild it)",
+                            warn=False)
+        state = self.states.get(key) if key is not None else KEPT
+        if state is READY or (state is PENDING and self._poll(key)):
+            return self.outer.compiled_forward(module, *args, **kwargs)
+        if state is None:
+            self.states[key] = SEEN
+        elif state is SEEN:
+            self._submit(key, module, args, kwargs)
+        self.per_block_calls += 1
+        return self.outer.base_forward(module, *args, **kwargs)
+
+    # ----- the helper ------------------------------------------------------------------------
+    def _submit(self, key: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if self.failure is not None:
+            self._keep(key, f"the background compiler failed earlier ({self.failure})")
+            return
+        if self.compiler is None:
+            self.folder = self.folder or tempfile.mkdtemp(prefix="kiln-outer-graph-")
+            self.compiler = BackgroundCompiler(self.folder, workers=1, on_failure=(
+                "the model keeps its per-block regions (compiled) for the signatures it had not compiled"))
+        try:
+            signature = call_signature(module, args, kwargs, self.compiler.own_threads)
+            device = next((str(t.device) for t in [*module.parameters(), *module.buffers()]), "cpu")
+            job = Job(self.outer.name, self.outer.label, _path_of(type(module)), _path_of(self.outer.base_forward),
+                      self.compile_kwargs, self.folder, pickle.dumps(weightless_copy(module)), device, signature,
+                      aot_off=_AOT_OFF, same_tensors=key[-1],
+                      shared_blocks=tuple((_path_of(forward), tuple(paths)) for forward, paths in self.groups))
+        except (UnsupportedCall, ValueError, TypeError, AttributeError, pickle.PicklingError) as exc:
+            self._keep(key, f"the model cannot be sent to the helper ({type(exc).__name__}: {exc})")
+            return
+        digest = signature_digest(signature)
+        if not self.compiler.submit(job, digest):
+            self.failure = self.compiler.failure or "the job could not be sent"
+            self._keep(key, f"the background compiler failed ({self.failure})")
+            return
+        self.states[key] = PENDING
+        self._digests[key] = (digest, signature_text(signature), time.perf_counter())
+
+    def _poll(self, key: tuple) -> bool:
+        """Whether the helper has compiled `key`'s signature (then it is READY); settles a failure."""
+        compiler = self.compiler
+        digest, text, sent = self._digests[key]
+        # A slow helper (a busy machine) is waited for, not given up as the background compiler's
+        # eager steps do (BackgroundCompiler.check_progress): here the steps meanwhile run compiled.
+        done, outcome = compiler.status(self.outer.name, digest)
+        if not done:
+            return False
+        if outcome.error is not None:
+            if compiler.failure is not None:
+                self.failure = compiler.failure
+            self._keep(key, f"the helper could not compile it ({outcome.error})")
+        else:
+            self.states[key] = READY
+            self.notes.append(f"{text}: compiled in the background, {time.perf_counter() - sent:.1f} s after "
+                              f"its first call; switched to the outer graph after {self.per_block_calls} "
+                              "per-block call(s) of the model")
+        compiler.settle()  # training's threads back once nothing is outstanding
+        if PENDING not in self.states.values():
+            compiler.close()  # the helper exits; a later signature starts another
+            self.compiler = None
+        return self.states[key] is READY
+
+    def _keep(self, key: tuple, why: str) -> None:
+        self.states[key] = KEPT
+        self._keep_note(why)
+
+    def _keep_note(self, why: str, warn: bool = True) -> None:
+        note = f"kept on the per-block regions: {why}"
+        if note in self.notes:
+            return
+        self.notes.append(note)
+        if warn and not self._warned:
+            self._warned = True
+            warnings.warn(f"outer_graph='background': {self.outer.name} {note}", self.warn, stacklevel=4)
+
+    def close(self) -> None:
+        if self.compiler is not None:
+            self.compiler.close()
+            self.compiler = None

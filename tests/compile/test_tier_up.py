@@ -1,0 +1,123 @@
+"""compile_regions(outer_graph="background") (kiln/compile/tier_up.py): per-block regions first, the
+outer graph once a helper process has compiled it. aot_eager, whose output no cache keeps: the
+outer graph is then traced again here when the helper is done, which is what these tests check
+the logic with (tests/compile/test_inductor.py shows that Inductor's compile finds the helper's
+graphs in the caches)."""
+
+import copy
+import time
+import warnings
+
+import pytest
+import torch
+
+from kiln import Accelerator, TorchDynamoPlugin
+from kiln.compile import outer_graph
+from kiln.compile.artifacts.background import same_tensors, with_same_tensors
+from kiln.compile.regions import KilnCompileWarning, compile_regions, compiled_regions, uncompile
+from kiln.compile.report import compile_report
+from toy_models import tiny_llama
+
+pytestmark = pytest.mark.skipif(not outer_graph.supported(), reason="torch without nested_compile_region")
+
+SWITCH_TIMEOUT = 240  # seconds: a helper's start and its aot_eager compile, beside other test workers
+
+
+def test_training_moves_to_the_outer_graph_when_the_helper_is_done_with_the_plain_loops_losses():
+    """Through prepare, as the docs show it: AdamW steps equal the plain eager loop's before, at and
+    after the switch; the blocks' own regions run until it, the outer graph after it."""
+    torch.manual_seed(0)
+    plain = tiny_llama(layers=3, width=64, init_std=0.08)
+    model = copy.deepcopy(plain)
+    ids = torch.randint(0, 97, (4, 16))
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True, outer_graph="background",
+                               cache=False)
+    accelerator = Accelerator(dynamo_plugin=plugin, cpu=True)
+    with pytest.warns(KilnCompileWarning, match="only Inductor's output is cached"):
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    block, outer = compiled_regions(model)
+    tier_up = outer.tier_up
+    assert (block.kind, outer.kind, outer.shared_blocks) == ("block", "outer", {"LlamaDecoderLayer": 3})
+
+    def step(net, opt, backward):
+        loss = net(input_ids=ids, labels=ids, use_cache=False).loss
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    began, steps, switched_at = time.monotonic(), 0, None
+    while switched_at is None or steps < switched_at + 3:
+        expected = step(plain, plain_optimizer, torch.Tensor.backward)
+        assert step(model, optimizer, accelerator.backward) == pytest.approx(expected, abs=1e-5), steps
+        steps += 1
+        if steps == 1:  # the helper gets the signature at its second call, after the blocks have compiled
+            assert tier_up.compiler is None and block.calls == 3 and outer.calls == 0
+        if switched_at is None and outer.calls:
+            switched_at = steps
+        assert time.monotonic() - began < SWITCH_TIMEOUT, f"no switch after {steps} steps"
+    # After the switch every step is one call of the outer graph; the blocks' regions are not called.
+    assert outer.calls == steps - switched_at + 1 and block.calls == 3 * (switched_at - 1)
+    assert tier_up.compiler is None  # nothing else to compile: the helper has exited
+    report = accelerator.compile_report()
+    assert not report.silent_regions
+    table = report.table()
+    assert "compiled in the background" in table and "switched to the outer graph after" in table
+
+    # An evaluation is another signature: the blocks' regions run it until the helper has compiled it.
+    with torch.no_grad():
+        calls = block.calls
+        got = model(input_ids=ids, use_cache=False).logits
+        torch.testing.assert_close(got, plain(input_ids=ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+        assert block.calls == calls + 3
+
+
+def test_generation_with_a_kv_cache_stays_on_the_per_block_regions():
+    torch.manual_seed(0)
+    eager = tiny_llama(layers=2, width=64)
+    model = copy.deepcopy(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnCompileWarning)  # aot_eager's output is not cached
+        compile_regions(model, backend="aot_eager", outer_graph="background")
+    prompt = torch.randint(1, 97, (1, 5))
+    for _ in range(2):  # twice: a second call would send a signature the helper could rebuild
+        got = model.generate(prompt, max_new_tokens=3, do_sample=False)
+        assert torch.equal(got, eager.generate(prompt, max_new_tokens=3, do_sample=False))
+    block, outer = compiled_regions(model)
+    assert outer.calls == 0 and block.calls > 0 and outer.tier_up.compiler is None
+    assert any("DynamicCache" in note and "per-block regions" in note for note in outer.tier_up.notes)
+    uncompile(model)
+    assert compiled_regions(model) == []
+    assert "forward" not in vars(model) and all("forward" not in vars(b) for b in model.model.layers)
+
+
+def test_settings_it_cannot_work_with_are_refused(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="outer_graph must be False, True or 'background'"):
+        compile_regions(tiny_llama(layers=2), backend="aot_eager", outer_graph="sometimes")
+    with pytest.raises(NotImplementedError, match="choose one of the two"):
+        compile_regions(tiny_llama(layers=2), backend="aot_eager", outer_graph="background", fullgraph=True,
+                        precompile=tmp_path)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    with pytest.raises(ValueError, match="needs Inductor's compile caches"):
+        compile_regions(tiny_llama(layers=2), backend="inductor", outer_graph="background")
+    with pytest.raises(TypeError, match="must be a bool or 'background'"):
+        TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True, outer_graph="sometimes")
+    monkeypatch.setenv("KILN_DYNAMO_OUTER_GRAPH", "background")
+    plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True)
+    assert plugin.outer_graph == "background"
+    from kiln.parallel.fsdp import FSDPStrategy, FullyShardedDataParallelPlugin
+
+    with pytest.raises(NotImplementedError, match="outer_graph='background'.*FSDP2"):
+        FSDPStrategy(FullyShardedDataParallelPlugin(), torch.device("cpu")).check_compile(plugin)
+
+
+def test_the_helper_gets_a_calls_repeated_tensor_as_one_tensor():
+    # labels=input_ids: Dynamo makes one graph input of the two, so the helper's call must repeat it
+    # too, or its graph (and so its cache entries) would not be the training process's.
+    ids, mask = torch.ones(2, 3), torch.zeros(2, 3)
+    same = same_tensors((ids,), {"attention_mask": mask, "labels": ids})
+    assert same == (("labels", 0),)
+    args, kwargs = with_same_tensors((torch.zeros(2, 3),), {"attention_mask": torch.zeros(2, 3),
+                                                           "labels": torch.zeros(2, 3)}, same)
+    assert kwargs["labels"] is args[0] and kwargs["attention_mask"] is not args[0]
