@@ -9,6 +9,8 @@ users write it) and, where installed, accelerate.
 One row is one child process holding every variant as its own copy of one model: `eager`, `full`
 (torch.compile of the whole model, compiled in place by Kiln), `regional` (`kiln.compile_regions`),
 `outer` (`kiln.compile_regions(outer_graph=True)`: one graph, the blocks shared subgraphs),
+`outer-background` (`outer_graph="background"`: per-block regions until a helper process has
+compiled the outer graph; its warm-up runs until the switch, whose seconds and steps the row records),
 `precompiled` (the same, ahead of time: `fullgraph=True, precompile=<folder>`), `accelerator`
 (`kiln.Accelerator(dynamo_plugin=TorchDynamoPlugin(use_regional_compilation=True)).prepare`) and
 `accelerate-regional` (Accelerate's own, when installed). After each variant's first (compiling)
@@ -28,7 +30,9 @@ from typing import Any, Callable
 
 from kiln.bench.plan import measured
 
-VARIANTS = ("eager", "full", "regional", "outer", "precompiled", "accelerator", "accelerate-regional")
+VARIANTS = ("eager", "full", "regional", "outer", "outer-background", "precompiled", "accelerator",
+            "accelerate-regional")
+SWITCH_TIMEOUT = 900.0  # seconds the outer-background variant may take to switch to its outer graph
 WARMUP = 5
 BREAKDOWN_CALLS = 200
 
@@ -45,6 +49,8 @@ def _variant(name: str, model: Any, backend: str, folder: str) -> tuple[Any, Any
         return compile_regions(model, backend=backend), model
     if name == "outer":
         return compile_regions(model, backend=backend, outer_graph=True), model
+    if name == "outer-background":
+        return compile_regions(model, backend=backend, outer_graph="background"), model
     if name == "precompiled":
         return compile_regions(model, backend=backend, fullgraph=True, precompile=folder), model
     if name == "accelerator":
@@ -89,7 +95,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     base.loss_type = base.config.loss_type = "ForCausalLM"  # see measure.measure
     names = [n for n in row.get("variants") or VARIANTS if n != "accelerate-regional" or _has_accelerate()]
     folder = tempfile.mkdtemp(prefix="kiln-bench-host-")
-    steps, first_s, outputs, regional = {}, {}, {}, None
+    steps, first_s, outputs, regional, switch = {}, {}, {}, None, None
     for name in names:
         model = copy.deepcopy(base)
         run, trained = _variant(name, model, row["backend"], folder)
@@ -103,6 +109,8 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
             outputs[name] = run(input_ids=ids, use_cache=False).logits.float()
         for _ in range(WARMUP):
             steps[name]()
+        if name == "outer-background":
+            switch = _until_switched(model, steps[name])
     times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(row["steps"]):
         for name in names:
@@ -119,9 +127,28 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     if "full" in times:
         result["ratio_to_full"] = {n: round(statistics.median(a / b for a, b in zip(t, times["full"])), 4)
                                    for n, t in times.items()}
+    if switch is not None:
+        result["outer_background_switch"] = switch
     if regional is not None and not train:
         result["breakdown"] = breakdown(regional, steps, times)
     return result
+
+
+def _until_switched(model: Any, step: Callable[[], None]) -> dict[str, float]:
+    """Step an outer_graph="background" model until its outer graph runs: the seconds and steps it
+    took (after its first step and the warm-up; an earlier variant's compile may have warmed the
+    helper's caches: the start-up suite's outer-background-cold row is the cold one)."""
+    from kiln.compile.regions import compiled_regions
+
+    outer = compiled_regions(model)[-1]
+    began, count = time.perf_counter(), 0
+    while not outer.calls:
+        if time.perf_counter() - began > SWITCH_TIMEOUT:
+            raise RuntimeError(f"outer_graph='background' did not switch in {SWITCH_TIMEOUT:.0f} s: "
+                               + "; ".join(outer.tier_up.notes))
+        step()
+        count += 1
+    return {"seconds": round(time.perf_counter() - began, 3), "steps": count}
 
 
 def _has_accelerate() -> bool:
@@ -262,5 +289,5 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def progress(result: dict[str, Any]) -> str:
     ratios = result.get("ratio_to_full", {})
-    return ", ".join(f"{n} {ratios[n]:.2f}x" for n in ("regional", "outer", "precompiled", "accelerator",
-                                                          "accelerate-regional") if n in ratios)
+    return ", ".join(f"{n} {ratios[n]:.2f}x" for n in ("regional", "outer", "outer-background", "precompiled",
+                                                          "accelerator", "accelerate-regional") if n in ratios)

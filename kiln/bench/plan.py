@@ -82,14 +82,15 @@ SUITE_VARIANTS = {
     "startup": ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
                 "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
-                "parallel-default-cold", "outer-cold"),
+                "parallel-default-cold", "outer-cold", "outer-background-cold"),
     "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
     "nd-parallel": ("ddp", "fsdp2", "hsdp", "tp-fsdp2", "cp-fsdp2"),  # kiln.bench.nd_parallel.layout
 }
 
 
 # The side-by-side and outer-graph plans' own start-up variants.
-SIDE_BY_SIDE = ("full-cold", "parallel-cold", "default-cold", "parallel-default-cold", "outer-cold")
+SIDE_BY_SIDE = ("full-cold", "parallel-cold", "default-cold", "parallel-default-cold", "outer-cold",
+                "outer-background-cold")
 
 
 @dataclass(frozen=True)
@@ -220,9 +221,9 @@ PLANS: dict[str, list[Group]] = {
     # (about 3 minutes on 2 cores).
     "outer-graph": [
         Group(["host8"], ["train"], [1], ["regional"], suite="startup", seq={"infer": 16, "train": 16},
-              variants=["full-cold", "regional-cold", "outer-cold"], steps=200, threads=1),
+              variants=["full-cold", "regional-cold", "outer-cold", "outer-background-cold"], steps=200, threads=1),
         Group(["small6"], ["train"], [4], ["regional"], suite="startup",
-              variants=["full-cold", "regional-cold", "outer-cold"], steps=100),
+              variants=["full-cold", "regional-cold", "outer-cold", "outer-background-cold"], steps=100),
     ],
     # Cold starts of 1 and 2 local processes (torch.distributed.run): does each region compile once
     # per machine? The start-up job's first 20 steps, eager, JIT (every process compiles) and

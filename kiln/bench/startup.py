@@ -14,6 +14,8 @@ Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache fold
     full-cold               Kiln's whole-model compile, JIT, an empty folder (the regional rows' yardstick)
     outer-cold              regional with outer_graph=True (the whole model one graph, the blocks one
                             shared subgraph), JIT, an empty folder
+    outer-background-cold   regional with outer_graph="background": per-block regions from step 1, the
+                            outer graph once a helper has compiled it into the empty Inductor folder
     parallel-cold           parallel_compile=True, an empty folder: step 1 eager while a pool of helpers
                             compiles the region groups side by side, a wait, compiled from step 2
     default-cold            regional-cold as most users leave it: fullgraph and dynamic unset (JIT)
@@ -37,7 +39,7 @@ from kiln.bench.plan import measured
 
 VARIANTS = ("eager", "regional-cold", "regional-warm", "precompiled-cold", "precompiled-warm",
             "precompiled-warm-copy", "background-cold", "accelerate-regional", "full-cold", "parallel-cold", "default-cold",
-            "outer-cold",
+            "outer-cold", "outer-background-cold",
             "parallel-default-cold")
 BUSY = "busy-"
 MILESTONES = (20, 100, 400, 500, 2000)
@@ -48,6 +50,7 @@ SAME_FOLDER = ("precompiled-warm",)  # runs in its base row's folder itself
 WARM_OVERHEAD_RATIO = 0.10  # a precompiled warm start's overhead over the cold compile's
 BACKGROUND_FIRST_STEP_RATIO = 2.0  # background mode's first step over an eager process's
 BACKGROUND_TIME_RATIO = 0.85  # background mode's time to 400 steps over the blocking compile's
+OUTER_SWITCH_TIMEOUT = 900.0  # seconds an outer-background-cold row trains at most, waiting for its switch
 BUSY_TIME_RATIO = 1.0  # on a busy machine: background mode's time to 2000 steps over the blocking compile's
 # Issue 28 (side by side): compile overheads to the end of step 2 (the first compiled step of a
 # parallel_compile run), as ratios of rows of the same run.
@@ -146,9 +149,10 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         regional = variant != "full-cold"  # a whole model may break its graph: fullgraph for regions only
         as_left = variant in ("default-cold", "parallel-default-cold")  # fullgraph=False, dynamic unset
         outer = variant == "outer-cold"  # the whole model one graph: like full-cold, it may break
-        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional and not as_left and not outer,
+        outer_graph = "background" if variant == "outer-background-cold" else outer
+        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional and not as_left and not outer_graph,
                                    dynamic=None if as_left else False, use_regional_compilation=regional,
-                                   outer_graph=outer,
+                                   outer_graph=outer_graph,
                                    precompile=variant.startswith("precompiled") or None,
                                    compile_in_background=variant == "background-cold",
                                    parallel_compile=variant in ("parallel-cold", "parallel-default-cold"))
@@ -162,9 +166,20 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         backward = accelerator.backward
     times, at, losses = [], {}, []
     two_done, cpu_two = None, None
-    long_run = variant == "background-cold" or row["variant"].startswith(BUSY)
+    long_run = variant in ("background-cold", "outer-background-cold") or row["variant"].startswith(BUSY)
+    outer = None
+    if variant == "outer-background-cold":
+        from kiln.compile.regions import compiled_regions
+
+        outer = compiled_regions(accelerator.unwrap_model(model))[-1]
+    outer_switch = outer_switch_s = None
     steps = row["steps"] * (BACKGROUND_STEPS_FACTOR if long_run else 1)
-    for step in range(1, steps + 1):
+    step = 0
+    # outer-background-cold runs on until 100 steps after its switch (the steady median is of the last
+    # 50), however long the helper takes, within OUTER_SWITCH_TIMEOUT.
+    while step < steps or (outer is not None and (outer_switch or step) + 100 > step
+                           and time.time() - before_prepare < OUTER_SWITCH_TIMEOUT):
+        step += 1
         begin = time.perf_counter()
         loss = compute_loss(model, ids)
         (backward or torch.Tensor.backward)(loss)
@@ -178,6 +193,9 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
             two_done, cpu_two = time.time(), _job_cpu_seconds()
         if step in MILESTONES:
             at[step] = round(time.time() - process_start, 3)
+        if outer is not None and outer_switch is None and outer.calls:
+            outer_switch = step  # this step ran the outer graph (compiled at its start, from the caches)
+            outer_switch_s = round(time.time() - before_prepare, 3)
     steady = statistics.median(times[-50:])
     result = dict(row)
     result.update(
@@ -189,13 +207,15 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         cpu_two_s=cpu_two,
         **{f"t{n}_s": at.get(n) for n in MILESTONES}, total_s=round(time.time() - process_start, 3),
         loss_first=round(losses[0], 6), loss_last=round(losses[-1], 6), torch=torch.__version__,
+        outer_switch_s=outer_switch_s, outer_switch_step_time_s=outer_switch and round(times[outer_switch - 1], 3),
         threads=torch.get_num_threads(),
     )
     if accelerator is not None and variant != "accelerate-regional":
         regions = accelerator.compile_report().regions
         result.update(ran="/".join(r.ran for r in regions), traces=sum(r.traces for r in regions),
                       precompiled_loaded=sum(r.precompiled_loaded for r in regions),
-                      switch_step=min((r.switch_step for r in regions if r.switch_step is not None), default=None),
+                      switch_step=min((r.switch_step for r in regions if r.switch_step is not None),
+                                      default=outer_switch),
                       background_eager_calls=sum(r.background_eager_calls for r in regions))
         report = accelerator.compile_report()
         if report.timeline:  # who compiled which region group when (parallel-cold, background-cold)

@@ -25,8 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from kiln.compile.artifacts.background import (BackgroundCompiler, Job, _path_of, same_tensors, signature_text,
-                                               weightless_copy)
+from kiln.compile.artifacts.background import BackgroundCompiler, Job, _path_of, same_tensors, weightless_copy
 from kiln.compile.artifacts.signatures import UnsupportedCall, argument_key, autocast_state, call_signature, signature_digest
 
 # SEEN: called once. The job goes to the helper at a signature's second call, once the per-block
@@ -34,6 +33,7 @@ from kiln.compile.artifacts.signatures import UnsupportedCall, argument_key, aut
 # cores, and the first step of the 8-layer host8 Llama took 12.6 s instead of 7.0 s.
 SEEN, PENDING, READY, KEPT = "seen", "pending", "ready", "kept"  # KEPT: stays on the per-block regions
 _AOT_OFF = "the outer graph is compiled just in time: the helper fills the compile caches"
+ROOM_CALLS = 3  # calls after which training's lowered thread count comes back if no signature was sent
 
 
 class TierUp:
@@ -56,6 +56,7 @@ class TierUp:
         self.compiler: BackgroundCompiler | None = None
         self.failure: str | None = None  # the helpers failed: later signatures stay per-block too
         self._warned = False
+        self._room_calls: int | None = None  # calls since training's threads were lowered, nothing sent yet
 
     @property
     def waiting(self) -> bool:
@@ -71,11 +72,13 @@ class TierUp:
             key = None
             self._keep_note(f"a call with {exc} runs the per-block regions (the helper cannot rebuild it)",
                             warn=False)
+        self._give_back_room()
         state = self.states.get(key) if key is not None else KEPT
         if state is READY or (state is PENDING and self._poll(key)):
             return self.outer.compiled_forward(module, *args, **kwargs)
         if state is None:
             self.states[key] = SEEN
+            self._make_room()
         elif state is SEEN:
             self._submit(key, module, args, kwargs)
         self.per_block_calls += 1
@@ -86,12 +89,9 @@ class TierUp:
         if self.failure is not None:
             self._keep(key, f"the background compiler failed earlier ({self.failure})")
             return
-        if self.compiler is None:
-            self.folder = self.folder or tempfile.mkdtemp(prefix="kiln-outer-graph-")
-            self.compiler = BackgroundCompiler(self.folder, workers=1, on_failure=(
-                "the model keeps its per-block regions (compiled) for the signatures it had not compiled"))
+        compiler = self._compiler()
         try:
-            signature = call_signature(module, args, kwargs, self.compiler.own_threads)
+            signature = call_signature(module, args, kwargs, compiler.own_threads)
             device = next((str(t.device) for t in [*module.parameters(), *module.buffers()]), "cpu")
             job = Job(self.outer.name, self.outer.label, _path_of(type(module)), _path_of(self.outer.base_forward),
                       self.compile_kwargs, self.folder, pickle.dumps(weightless_copy(module)), device, signature,
@@ -101,12 +101,42 @@ class TierUp:
             self._keep(key, f"the model cannot be sent to the helper ({type(exc).__name__}: {exc})")
             return
         digest = signature_digest(signature)
-        if not self.compiler.submit(job, digest):
-            self.failure = self.compiler.failure or "the job could not be sent"
+        if not compiler.submit(job, digest):
+            self.failure = compiler.failure or "the job could not be sent"
             self._keep(key, f"the background compiler failed ({self.failure})")
             return
         self.states[key] = PENDING
-        self._digests[key] = (digest, signature_text(signature), time.perf_counter())
+        self._digests[key] = (digest, _call_text(module, args, kwargs), time.perf_counter())
+
+    def _compiler(self) -> BackgroundCompiler:
+        if self.compiler is None:
+            self.folder = self.folder or tempfile.mkdtemp(prefix="kiln-outer-graph-")
+            self.compiler = BackgroundCompiler(self.folder, workers=1, on_failure=(
+                "the model keeps its per-block regions (compiled) for the signatures it had not compiled"))
+        return self.compiler
+
+    def _make_room(self) -> None:
+        """Training on one thread fewer where its threads fill every core (the background compiler's
+        rule: beside them a helper at nice 10 took 295 s to compile what it compiled in 44 s with a
+        core of its own; small6, 2 cores), from the first call on, before the per-block regions
+        compile: lowered later, the count Dynamo guards on changes and every block region compiles
+        again ("GLOBAL_STATE changed: num_threads": 7.8 s at small6's second step). Given back when
+        the helper is done, before the outer graph's first call, which is compiled for the full
+        count; or after a few calls if no signature was sent. Only before any signature has switched:
+        lowering them then would recompile the outer graph."""
+        if self.failure is None and READY not in self.states.values():
+            self._compiler()._make_room()
+            self._room_calls = 0
+
+    def _give_back_room(self) -> None:
+        if self._room_calls is None:
+            return
+        self._room_calls += 1
+        if self.compiler is None or self.compiler.submitted:
+            self._room_calls = None  # a job was sent: _poll gives the threads back when it is done
+        elif self._room_calls > ROOM_CALLS:
+            self.compiler.settle()  # nothing outstanding: back to the full count
+            self._room_calls = None
 
     def _poll(self, key: tuple) -> bool:
         """Whether the helper has compiled `key`'s signature (then it is READY); settles a failure."""
@@ -149,3 +179,12 @@ class TierUp:
         if self.compiler is not None:
             self.compiler.close()
             self.compiler = None
+
+
+def _call_text(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:
+    """A call as the report names it: "training call (input_ids 4x64, labels 4x64)"."""
+    mode = "training" if module.training and torch.is_grad_enabled() else (
+        "evaluation" if torch.is_grad_enabled() else "no_grad")
+    tensors = [(str(i), v) for i, v in enumerate(args)] + list(kwargs.items())
+    shapes = ", ".join(f"{name} {'x'.join(map(str, v.shape))}" for name, v in tensors if isinstance(v, torch.Tensor))
+    return f"{mode} call ({shapes})"

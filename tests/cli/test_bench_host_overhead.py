@@ -28,6 +28,8 @@ def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload
     assert set(result["median_ms"]) == set(result["variants"]) == set(result["ratio_to_full"])
     assert result["ratio_to_full"]["full"] == 1.0
     assert all(diff < 1e-4 for diff in result["max_abs_diff_vs_eager"].values()), result["max_abs_diff_vs_eager"]
+    # outer_graph="background" was stepped until its outer graph ran, before the timed rounds.
+    assert result["outer_background_switch"]["seconds"] > 0
     if workload == "infer":
         b = result["breakdown"]
         assert b["blocks"] == 4 and b["block_call_us"] > 0 and b["entry_call_us"] > 0
@@ -41,6 +43,7 @@ def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload
 def test_the_outer_graph_plan_starts_each_way_cold_beside_regions_and_the_full_compile():
     rows = build_rows("outer-graph", device="cpu")
     assert {(r.model, r.variant) for r in rows} == {(m, v) for m in ("host8", "small6")
-                                                     for v in ("full-cold", "regional-cold", "outer-cold")}
+                                                     for v in ("full-cold", "regional-cold", "outer-cold",
+                                                               "outer-background-cold")}
     assert all(r.suite == "startup" and r.workload == "train" for r in rows)
     assert {(r.model, r.batch, r.seq, r.threads) for r in rows} == {("host8", 1, 16, 1), ("small6", 4, 64, None)}

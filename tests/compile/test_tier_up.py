@@ -23,9 +23,23 @@ pytestmark = pytest.mark.skipif(not outer_graph.supported(), reason="torch witho
 SWITCH_TIMEOUT = 240  # seconds: a helper's start and its aot_eager compile, beside other test workers
 
 
-def test_training_moves_to_the_outer_graph_when_the_helper_is_done_with_the_plain_loops_losses():
+def test_training_moves_to_the_outer_graph_when_the_helper_is_done_with_the_plain_loops_losses(monkeypatch):
     """Through prepare, as the docs show it: AdamW steps equal the plain eager loop's before, at and
-    after the switch; the blocks' own regions run until it, the outer graph after it."""
+    after the switch; the blocks' own regions run until it, the outer graph after it. Training's
+    threads fill the (pretended) cores: it gives the helper one from its first call, before its
+    blocks compile (no recompile for the thread count), and gets it back at the switch."""
+    import kiln.compile.artifacts.background as background
+
+    monkeypatch.setattr(background, "free_cores", lambda: 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _train_across_the_switch()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train_across_the_switch():
     torch.manual_seed(0)
     plain = tiny_llama(layers=3, width=64, init_std=0.08)
     model = copy.deepcopy(plain)
@@ -53,13 +67,15 @@ def test_training_moves_to_the_outer_graph_when_the_helper_is_done_with_the_plai
         assert step(model, optimizer, accelerator.backward) == pytest.approx(expected, abs=1e-5), steps
         steps += 1
         if steps == 1:  # the helper gets the signature at its second call, after the blocks have compiled
-            assert tier_up.compiler is None and block.calls == 3 and outer.calls == 0
+            assert not tier_up.compiler.submitted and block.calls == 3 and outer.calls == 0
+            assert torch.get_num_threads() == 1
         if switched_at is None and outer.calls:
             switched_at = steps
         assert time.monotonic() - began < SWITCH_TIMEOUT, f"no switch after {steps} steps"
     # After the switch every step is one call of the outer graph; the blocks' regions are not called.
     assert outer.calls == steps - switched_at + 1 and block.calls == 3 * (switched_at - 1)
     assert tier_up.compiler is None  # nothing else to compile: the helper has exited
+    assert torch.get_num_threads() == 2 and not any("num_threads" in r for r in block.recompile_reasons)
     report = accelerator.compile_report()
     assert not report.silent_regions
     table = report.table()
