@@ -156,7 +156,12 @@ class TierUp:
             self.notes.append(f"{text}: compiled in the background, {time.perf_counter() - sent:.1f} s after "
                               f"its first call; switched to the outer graph after {self.per_block_calls} "
                               "per-block call(s) of the model")
-        compiler.settle()  # training's threads back once nothing is outstanding
+        if self.states[key] is READY:
+            # Training's threads back before the outer graph's first call, even with other signatures
+            # still at the helper: the helper compiled it for the full count (the caches hold that one).
+            compiler._restore_threads()
+        else:
+            compiler.settle()  # training's threads back once nothing is outstanding
         if PENDING not in self.states.values():
             compiler.close()  # the helper exits; a later signature starts another
             self.compiler = None
