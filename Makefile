@@ -45,9 +45,10 @@ test: $(DEV_STAMP)
 
 # Whole jobs with real Inductor in fresh processes, cold then warm (marker warm_starts): the demo's
 # second run in bf16, a saved compile loaded by a second process, training on the helpers' caches,
-# damaged and foreign compiled code in a cache folder and a checkpoint. Each compiles cold with gcc
-# (30-50 s here); together they would take make test past its 12 minutes. make test keeps one real
-# Inductor parity test (tests/compile/test_inductor.py); CI runs these after make test (.ci/run).
+# damaged and foreign compiled code in a cache folder and a checkpoint, and the outer graph's gradients
+# (compiled here, and compiled by a helper into the caches). Each compiles cold with gcc (20-50 s
+# here); together they would take make test past its 12 minutes. make test keeps one real Inductor
+# parity test (tests/compile/test_inductor.py); CI runs these after make test (.ci/run).
 test-warm-starts: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "warm_starts and not serial"
 

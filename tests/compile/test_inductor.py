@@ -34,6 +34,7 @@ def test_inductor_regional_training_step_matches_eager():
     optimizer.step()
 
 
+@pytest.mark.warm_starts  # 18 s of gcc: CI's warm-starts lane, beside the other outer-graph Inductor test
 def test_inductor_outer_graph_training_step_gives_eagers_gradients():
     # torch 2.13 and 2.14.1: with Inductor's buffer reuse on, a graph calling one nested region at
     # several call sites gave gradients off eager's by thousands (the loss right); aot_eager, which
