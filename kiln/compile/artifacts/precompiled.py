@@ -42,9 +42,9 @@ from kiln.compile.artifacts.cache_key import triton_version
 from kiln.compile.artifacts.local_classes import explain_failure
 from kiln.compile.messages import first_line, guard_reason
 from kiln.compile.progress import PROGRESS
-from kiln.compile.artifacts.signatures import (AUTOCAST_FIELD, FORMAT_VERSION, UnsupportedCall, call_key,
-                                               call_signature, region_key, signature_difference,
-                                               signature_digest, signature_fields)
+from kiln.compile.artifacts.signatures import (AUTOCAST_FIELD, FORMAT_VERSION, UnsupportedCall, arguments_key,
+                                               call_signature, holds_distributed, module_keys, region_key,
+                                               signature_difference, signature_digest, signature_fields)
 
 MAGIC = b"KILN-PRECOMPILED\n"
 SUFFIX = ".kpc"
@@ -96,6 +96,7 @@ class PrecompileStats:
 
 
 _MISSING = object()
+_AMBIGUOUS = object()  # arguments met with several signatures: looked up with the module's facts too
 EAGER = object()  # what `function_for` gives for a call that runs eagerly (train while compiling)
 
 
@@ -131,10 +132,16 @@ class PrecompiledRegion:
         self.stats = PrecompileStats()
         self.on_compile = on_compile
         self._functions: dict[tuple, Callable | None] = {}
-        # call_key -> (function, signature) for signatures settled for good (loaded, compiled, or the
-        # JIT path) while nothing compiles in the background: the per-call lookup, without the
-        # signature's text. Emptied whenever a signature's function changes.
-        self._settled: dict[tuple, tuple[Callable | None, tuple]] = {}
+        # The per-call lookup, for signatures settled for good (loaded, compiled, or the JIT path)
+        # while nothing compiles in the background, without the signature's text. By the call's
+        # arguments alone (`arguments_key`): one signature met with them runs, and the loaded
+        # function's own guards, checked before it runs, vouch for the module (its parameters' dtypes,
+        # requires_grad, the training flags its code reads); where they refuse, the module changed
+        # (`call` looks again). Arguments met with several signatures, or with DTensor parameters
+        # (whose process groups torch's guards do not see), are _AMBIGUOUS: looked up by the full
+        # key (`call_key`), with a walk of the module. Emptied whenever a signature's function changes.
+        self._settled: dict[tuple, Any] = {}
+        self._settled_full: dict[tuple, tuple[Callable | None, tuple]] = {}
         self._entries: dict[tuple[str, ...], Callable] = {}  # autocast state -> entry with it inside
         self._failed = False  # an ahead-of-time compile failed: the rest of the run is JIT
         # Train while compiling (kiln/compile/artifacts/background.py): `background` compiles in a helper
@@ -152,21 +159,35 @@ class PrecompiledRegion:
 
     # ----- per call --------------------------------------------------------------------------
     def function_for(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable | None, tuple]:
-        quiet = self.background is None and not self.background_wait
-        key = None
-        if quiet:
-            try:
-                key = call_key(module, args, kwargs)
-            except UnsupportedCall:
-                pass  # the signature below says why, in the report
-            else:
-                settled = self._settled.get(key)
-                if settled is not None:
-                    return settled
+        if self.background is not None or self.background_wait:
+            return self._function_for(module, args, kwargs)
+        try:
+            key = arguments_key(args, kwargs)
+        except UnsupportedCall:
+            return self._function_for(module, args, kwargs)  # the signature says why, in the report
+        settled = self._settled.get(key)
+        if settled is not None and settled is not _AMBIGUOUS:
+            return settled
+        if settled is _AMBIGUOUS:
+            settled = self._settled_full.get((*key, *module_keys(module)))
+            if settled is not None:
+                return settled
         fn, signature = self._function_for(module, args, kwargs)
-        if key is not None and fn is not EAGER and signature in self._functions:
-            self._settled[key] = (fn, signature)
+        if fn is not EAGER and signature in self._functions:
+            self._settle(key, module, fn, signature)
         return fn, signature
+
+    def _settle(self, key: tuple, module: nn.Module, fn: Callable | None, signature: tuple) -> None:
+        keys = module_keys(module)
+        if key not in self._settled and not holds_distributed(keys):
+            self._settled[key] = (fn, signature)
+        else:
+            self._settled[key] = _AMBIGUOUS
+            self._settled_full[(*key, *keys)] = (fn, signature)
+
+    def _forget_settled(self) -> None:
+        self._settled.clear()
+        self._settled_full.clear()
 
     def _function_for(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable | None, tuple]:
         try:
@@ -270,7 +291,7 @@ class PrecompiledRegion:
             if why_jit is not None:
                 del self._pending[signature]
                 self._functions[signature] = None  # the JIT path, from its next call
-                self._settled.clear()
+                self._forget_settled()
                 self._handed_back.add(signature)
                 self._note(f"{self._signature_text(signature)}: {why_jit}; JIT-compiled after step {step}")
                 continue
@@ -309,13 +330,31 @@ class PrecompiledRegion:
         except RuntimeError as exc:
             if _GUARD_FAILURE not in str(exc):
                 raise
-            # Raised before anything ran: Kiln's signature missed something torch guards on.
+            # Raised before anything ran. Either the function was found by the call's arguments alone
+            # and the module has changed since (another signature: look it up by the full key from
+            # now on), or Kiln's signature missed something torch guards on (the JIT path).
+            if self._changed_since_settled(signature, module, args, kwargs):
+                fn, signature = self.function_for(module, args, kwargs)
+                return self.NOT_RUN if fn is None else self.call(fn, signature, module, args, kwargs)
             self._functions[signature] = None
-            self._settled.clear()
+            self._forget_settled()
             self._note(f"a loaded artifact refused a call ({guard_reason(str(exc))}): JIT path")
             return _MISSING
         self.stats.calls += 1
         return output
+
+    def _changed_since_settled(self, signature: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """After a refused call: True where this call's signature is not the one its arguments were
+        settled with, whose arguments are then marked ambiguous (`function_for`)."""
+        if self.background is not None or self.background_wait:
+            return False  # the full signature chose the function
+        try:
+            if call_signature(module, args, kwargs) == signature:
+                return False
+            self._settled[arguments_key(args, kwargs)] = _AMBIGUOUS
+        except UnsupportedCall:
+            return False
+        return True
 
     @staticmethod
     def _run(fn: Callable, state: tuple, module: nn.Module, args: tuple, kwargs: dict[str, Any]):
