@@ -34,6 +34,9 @@ VARIANTS = ("eager", "full", "regional", "outer", "outer-background", "precompil
             "accelerate-regional")
 SWITCH_TIMEOUT = 900.0  # seconds the outer-background variant may take to switch to its outer graph
 WARMUP = 5
+# Issue 34's targets: a regional step (the documented settings, through `Accelerator.prepare` and
+# `compile_regions` alone) <= 1.15x a full compile's; precompiled regions no slower than JIT ones.
+FULL_RATIO = 1.15
 BREAKDOWN_CALLS = 200
 
 
@@ -127,6 +130,9 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     if "full" in times:
         result["ratio_to_full"] = {n: round(statistics.median(a / b for a, b in zip(t, times["full"])), 4)
                                    for n, t in times.items()}
+    if "regional" in times:  # Kiln's other paths against its per-block JIT regions, round by round
+        result["ratio_to_regional"] = {n: round(statistics.median(a / b for a, b in zip(times[n], times["regional"])), 4)
+                                       for n in ("precompiled", "accelerator") if n in times}
     if switch is not None:
         result["outer_background_switch"] = switch
     if regional is not None and not train:
@@ -252,6 +258,23 @@ def _median_us(*calls: Callable[[], Any]) -> Any:
     return medians[0] if len(calls) == 1 else medians
 
 
+def target_checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target a row allows checking, from the round-by-round ratios of that row's process."""
+    checks = []
+    for r in measured(rows):
+        where = f"{r['model']} {r['workload']} {r['batch']}x{r['seq']}, {r['threads']} thread(s)"
+        to_full = r.get("ratio_to_full", {})
+        for variant in ("regional", "accelerator", "outer-background"):
+            if variant in to_full:
+                checks.append({"target": f"{where}: {variant} step / full compile's <= {FULL_RATIO}",
+                               "value": to_full[variant], "limit": FULL_RATIO, "met": to_full[variant] <= FULL_RATIO})
+        precompiled = r.get("ratio_to_regional", {}).get("precompiled")
+        if precompiled is not None:
+            checks.append({"target": f"{where}: precompiled step / regional (JIT) step's <= 1.0",
+                           "value": precompiled, "limit": 1.0, "met": precompiled <= 1.0})
+    return checks
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     names = [n for n in VARIANTS if any(n in r.get("median_ms", {}) for r in measured(rows))]
     lines = ["| model | workload | batch | threads | " + " | ".join(f"{n} ms (x full)" for n in names)
@@ -284,6 +307,10 @@ def render(rows: list[dict[str, Any]]) -> str:
         if b:
             parts = ", ".join(f"{k} {v}" for k, v in b.items())
             text += f"\n{r['model']} {r['workload']} {r['batch']}x{r['seq']}, a regional block call: {parts}\n"
+    checks = target_checks(rows)
+    if checks:
+        text += "\nTargets (ratios within each row's process):\n\n" + "\n".join(
+            f"- {c['target']}: {c['value']} ({'met' if c['met'] else 'missed'})" for c in checks) + "\n"
     return text
 
 

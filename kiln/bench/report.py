@@ -284,6 +284,7 @@ def write_results(rows: list[dict[str, Any]], out: Path, name: str, plots: bool 
     host_rows = [r for r in rows if r.get("suite") == "host-overhead"]
     if host_rows:
         sections.append(host_overhead.render(host_rows))
+        checks += host_overhead.target_checks(host_rows)
     nd_rows = [r for r in rows if r.get("suite") == "nd-parallel"]
     if nd_rows:
         sections.append(nd_parallel.render(nd_rows))

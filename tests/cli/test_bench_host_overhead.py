@@ -4,7 +4,7 @@ ratios to the full compile and a breakdown of a regional block call (kiln/bench/
 import pytest
 
 from kiln.bench import PLANS, build_rows
-from kiln.bench.host_overhead import VARIANTS, measure, render
+from kiln.bench.host_overhead import VARIANTS, measure, render, target_checks
 
 
 def test_the_plan_is_one_row_per_model_workload_and_batch_with_its_threads():
@@ -30,6 +30,7 @@ def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload
     assert all(diff < 1e-4 for diff in result["max_abs_diff_vs_eager"].values()), result["max_abs_diff_vs_eager"]
     # outer_graph="background" was stepped until its outer graph ran, before the timed rounds.
     assert result["outer_background_switch"]["seconds"] > 0
+    assert set(result["ratio_to_regional"]) == {"precompiled", "accelerator"}
     if workload == "infer":
         b = result["breakdown"]
         assert b["blocks"] == 4 and b["block_call_us"] > 0 and b["entry_call_us"] > 0
@@ -38,6 +39,19 @@ def test_one_row_steps_every_variant_in_one_process_with_eagers_outputs(workload
         assert "a regional block call" in render([result])
     else:
         assert "breakdown" not in result
+
+
+def test_the_targets_are_checked_from_each_rows_own_ratios():
+    row = dict(model="host8", workload="infer", batch=1, seq=16, threads=1,
+               ratio_to_full={"full": 1.0, "regional": 1.47, "accelerator": 1.12, "outer-background": 1.0},
+               ratio_to_regional={"precompiled": 0.96})
+    checks = {c["target"].split(": ", 1)[1]: (c["value"], c["met"]) for c in target_checks([row])}
+    assert checks == {"regional step / full compile's <= 1.15": (1.47, False),
+                      "accelerator step / full compile's <= 1.15": (1.12, True),
+                      "outer-background step / full compile's <= 1.15": (1.0, True),
+                      "precompiled step / regional (JIT) step's <= 1.0": (0.96, True)}
+    assert all(c["target"].startswith("host8 infer 1x16, 1 thread(s): ") for c in target_checks([row]))
+    assert target_checks([{**row, "error": "boom"}]) == []  # a failed row checks nothing
 
 
 def test_the_outer_graph_plan_starts_each_way_cold_beside_regions_and_the_full_compile():
