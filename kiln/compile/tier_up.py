@@ -77,8 +77,12 @@ class TierUp:
         if state is READY or (state is PENDING and self._poll(key)):
             return self.outer.compiled_forward(module, *args, **kwargs)
         if state is None:
-            self.states[key] = SEEN
-            self._make_room()
+            unsendable = self._unsendable(module)
+            if unsendable is not None:  # known before training's threads are lowered for the helper
+                self._keep(key, unsendable)
+            else:
+                self.states[key] = SEEN
+                self._make_room()
         elif state is SEEN:
             self._submit(key, module, args, kwargs)
         self.per_block_calls += 1
@@ -107,6 +111,14 @@ class TierUp:
             return
         self.states[key] = PENDING
         self._digests[key] = (digest, _call_text(module, args, kwargs), time.perf_counter())
+
+    def _unsendable(self, module: nn.Module) -> str | None:
+        """Why the model cannot go to the helper (an attribute that does not pickle), or None."""
+        try:
+            pickle.dumps(weightless_copy(module))
+        except (ValueError, TypeError, AttributeError, pickle.PicklingError) as exc:
+            return f"the model cannot be sent to the helper ({type(exc).__name__}: {exc})"
+        return None
 
     def _compiler(self) -> BackgroundCompiler:
         if self.compiler is None:

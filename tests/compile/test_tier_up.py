@@ -137,3 +137,59 @@ def test_the_helper_gets_a_calls_repeated_tensor_as_one_tensor():
     args, kwargs = with_same_tensors((torch.zeros(2, 3),), {"attention_mask": torch.zeros(2, 3),
                                                            "labels": torch.zeros(2, 3)}, same)
     assert kwargs["labels"] is args[0] and kwargs["attention_mask"] is not args[0]
+
+
+def test_transformers_gradient_checkpointing_moves_to_the_outer_graph_with_eagers_gradients():
+    # gradient_checkpointing_enable keeps handles of a hook defined in a function
+    # (`_require_grads_hook(s)`), which do not pickle: the helper's copy leaves them out. With
+    # Inductor the switch then finds all 3 of the outer graph's entries in the caches (host probe,
+    # docs/compiling.md); here, with aot_eager, the losses and gradients are checked across it.
+    torch.manual_seed(0)
+    eager = tiny_llama(layers=2, width=64, init_std=0.08)
+    model = copy.deepcopy(eager)
+    for net in (eager, model):
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnCompileWarning)  # aot_eager's output is not cached
+        compile_regions(model, backend="aot_eager", outer_graph="background")
+    block, outer = compiled_regions(model)
+    ids = torch.randint(0, 97, (2, 16))
+    began, after = time.monotonic(), 0
+    while after < 2:
+        for net in (eager, model):
+            net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+            a.grad = b.grad = None
+        after += bool(outer.calls)
+        assert time.monotonic() - began < SWITCH_TIMEOUT, "the outer graph never took over: " + str(outer.tier_up.notes)
+    assert not any("kept on the per-block regions" in note for note in outer.tier_up.notes)
+
+
+def test_a_model_the_helper_cannot_get_stays_per_block_from_its_first_call_on_all_threads(monkeypatch):
+    """Known at the first call, before training lends the helper a thread: lent, the blocks would
+    compile for one thread fewer and all compile again when it came back (8 s on a 2-layer Llama)."""
+    import kiln.compile.artifacts.background as background
+
+    monkeypatch.setattr(background, "free_cores", lambda: 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        eager = tiny_llama(layers=2, width=64)
+        model = copy.deepcopy(eager)
+        model.scale_fn = lambda x: x  # a lambda: the model does not pickle
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KilnCompileWarning)  # aot_eager's output is not cached
+            compile_regions(model, backend="aot_eager", outer_graph="background")
+        block, outer = compiled_regions(model)
+        ids = torch.randint(0, 97, (2, 16))
+        with pytest.warns(KilnCompileWarning, match="cannot be sent to the helper"):
+            got = model(input_ids=ids, labels=ids, use_cache=False).loss
+        assert torch.get_num_threads() == 2 and outer.tier_up.compiler is None
+        for _ in range(2):
+            torch.testing.assert_close(got, eager(input_ids=ids, labels=ids, use_cache=False).loss)
+            got = model(input_ids=ids, labels=ids, use_cache=False).loss
+        assert outer.calls == 0 and block.calls == 6 and block.graphs == 1
+    finally:
+        torch.set_num_threads(threads)

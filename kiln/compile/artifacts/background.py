@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from kiln.compile import isa_probe
 from kiln.compile.artifacts.compile_pool import CompilePool, free_cores
@@ -42,7 +43,7 @@ def weightless_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
     its own). What the helper rebuilds a block from: FSDP2's and Kiln's additions are left out."""
     cls = cls or type(module)
     copy = cls.__new__(cls)
-    state = dict(module.__dict__)
+    state = {k: v for k, v in module.__dict__.items() if not _hook_handles(v)}
     state.pop("forward", None)
     for name in _HOOK_DICTS:
         if name in state:
@@ -55,6 +56,15 @@ def weightless_copy(module: nn.Module, cls: type | None = None) -> nn.Module:
     state["_modules"] = {n: None if c is None else weightless_copy(c) for n, c in module._modules.items()}
     copy.__dict__.update(state)
     return copy
+
+
+def _hook_handles(value: Any) -> bool:
+    """A hook's handle, or a list of them: each pickles the hook dictionary it points into, whose hooks
+    may be defined in a function (transformers' gradient checkpointing keeps `_require_grads_hook`
+    and `_require_grads_hooks` for the embedding's `make_inputs_require_grads`)."""
+    if isinstance(value, (list, tuple)):
+        return bool(value) and all(isinstance(v, RemovableHandle) for v in value)
+    return isinstance(value, RemovableHandle)
 
 
 @dataclass(frozen=True)
