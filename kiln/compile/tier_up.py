@@ -8,7 +8,8 @@ outer graph (outer_graph.py) runs at a full compile's speed, but its cold compil
 full compile's, mostly gcc building the glue's kernels (issue 34; docs/compiling.md). Here the
 model starts on its per-block regions while a helper process (kiln/compile/artifacts/background.py),
 on a core training leaves it, JIT-compiles the outer graph for the call's signature into Inductor's
-caches. At the model's first call with that signature after the helper is done, the outer graph is
+caches, and runs it against eager on its own copy (eager_check.py: a wrong graph is never used).
+At the model's first call with that signature after the helper is done, the outer graph is
 compiled here from those caches (Dynamo traces the model again; Inductor builds nothing) and runs
 from then on. A signature the helper has not done (an evaluation under no_grad) keeps the per-block
 regions until it has; one it cannot do keeps them for good, with the reason in the report.
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from kiln.compile.artifacts.background import BackgroundCompiler, Job, _path_of, same_tensors, weightless_copy
+from kiln.compile.artifacts.eager_check import OuterGraphDiffers
 from kiln.compile.artifacts.signatures import UnsupportedCall, argument_key, autocast_state, call_signature, signature_digest
 
 # SEEN: called once. The job goes to the helper at a signature's second call, once the per-block
@@ -162,12 +164,15 @@ class TierUp:
         if outcome.error is not None:
             if compiler.failure is not None:
                 self.failure = compiler.failure
-            self._keep(key, f"the helper could not compile it ({outcome.error})")
+            differs = outcome.error.startswith(OuterGraphDiffers.__name__ + ": ")
+            self._keep(key, outcome.error.split(": ", 1)[1] if differs
+                       else f"the helper could not compile it ({outcome.error})")
         else:
             self.states[key] = READY
+            checked = (outcome.jit_only or "").removeprefix(_AOT_OFF).removeprefix("; ")
             self.notes.append(f"{text}: compiled in the background, {time.perf_counter() - sent:.1f} s after "
-                              f"its first call; switched to the outer graph after {self.per_block_calls} "
-                              "per-block call(s) of the model")
+                              f"its first call, {checked or 'not checked against eager'}; switched to the "
+                              f"outer graph after {self.per_block_calls} per-block call(s) of the model")
         if self.states[key] is READY:
             # Training's threads back before the outer graph's first call, even with other signatures
             # still at the helper: the helper compiled it for the full count (the caches hold that one).

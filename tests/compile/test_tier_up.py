@@ -80,6 +80,7 @@ def _train_across_the_switch():
     assert not report.silent_regions
     table = report.table()
     assert "compiled in the background" in table and "switched to the outer graph after" in table
+    assert "checked against eager: worst relative difference" in table  # the helper ran it eagerly too
 
     # An evaluation is another signature: the blocks' regions run it until the helper has compiled it.
     with torch.no_grad():
@@ -193,3 +194,38 @@ def test_a_model_the_helper_cannot_get_stays_per_block_from_its_first_call_on_al
         assert outer.calls == 0 and block.calls == 6 and block.graphs == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_an_outer_graph_with_wrong_gradients_is_caught_by_the_helper_and_never_used():
+    """The helper runs its copy eagerly too and compares (eager_check.py). A backend whose outer
+    graph scales the gradients (right outputs, as under torch's buffer reuse bug) is refused there:
+    training stays on its per-block regions, with eager's gradients, and says why once."""
+    from wrong_outer_backend import wrong_outer_gradients
+
+    torch.manual_seed(0)
+    eager = tiny_llama(layers=2, width=64, init_std=0.08)
+    model = copy.deepcopy(eager)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KilnCompileWarning)  # a backend whose output is not cached
+        compile_regions(model, backend=wrong_outer_gradients, outer_graph="background")
+    block, outer = compiled_regions(model)
+    tier_up = outer.tier_up
+    ids = torch.randint(0, 97, (2, 16))
+    began, caught = time.monotonic(), []
+    while not any("differs from eager's" in note for note in tier_up.notes):
+        with warnings.catch_warnings(record=True) as caught_now:
+            warnings.simplefilter("always", KilnCompileWarning)
+            got = model(input_ids=ids, labels=ids, use_cache=False).loss
+        caught += [str(w.message) for w in caught_now]
+        got.backward()
+        eager(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+            a.grad = b.grad = None
+        assert time.monotonic() - began < SWITCH_TIMEOUT, "the helper never answered: " + str(tier_up.notes)
+    assert outer.calls == 0
+    assert [m for m in caught if "differs from eager's" in m] == [
+        next(m for m in caught if "kept on the per-block regions" in m)]
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()  # and later calls stay per-block
+    assert outer.calls == 0 and tier_up.compiler is None
+    assert "kept on the per-block regions: the outer graph's gradient of" in compile_report(model).table()

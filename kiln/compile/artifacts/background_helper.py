@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,10 +49,12 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
     cannot compile or save it ahead of time (torch 2.11 saves Inductor output only: "expected
     OutputCode, got function" with aot_eager), JIT-compile it instead, forward and backward, into
     the compile caches the training process shares; return why, for the training process to
-    JIT-compile it there (a warm compile with Inductor). `aot_refused` remembers, per region, that
+    JIT-compile it there (a warm compile with Inductor); for an outer graph (tier_up.py), the
+    reason and the eager check's line (eager_check.py). `aot_refused` remembers, per region, that
     ahead of time failed, so later signatures go straight to the JIT fill; a job whose settings rule
     an ahead-of-time compile out (`aot_off`) goes there at once."""
-    from kiln.compile.artifacts.aot_workarounds import autocast_off, region_entry
+    from kiln.compile.artifacts.aot_workarounds import autocast_off, autocast_on, region_entry
+    from kiln.compile.artifacts.eager_check import check_against_eager, checkable_weights
     from kiln.compile.artifacts.precompiled import PrecompiledRegion
 
     aot_refused = {} if aot_refused is None else aot_refused
@@ -63,9 +65,7 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
         isa_probe.start()  # once per helper; the compile waits for it
     cls, forward = _import(job.block_class), _import(job.forward)
     module = pickle.loads(job.skeleton).to_empty(device=job.device)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensor.normal_() if tensor.dtype.is_floating_point else tensor.zero_()
+    checkable_weights(module)
     fields = dict(job.signature)
     torch.set_num_threads(fields["num_threads"])  # loaded code guards on it: the training process's count
     for flag, submodule in zip(fields["training"], module.modules()):
@@ -89,10 +89,19 @@ def compile_job(job: Job, aot_refused: dict[str, str] | None = None) -> str | No
             return None
         aot_refused[job.region] = "; ".join(region.stats.notes) or "the ahead-of-time compile gave nothing"
     with _as_training_traces(job, module, fields):
-        fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
+        compiled = fill_compile_caches(entry, job.compile_kwargs, module, args, kwargs, fields)
+        if job.shared_blocks:  # an outer graph: compared with eager before training may switch to it
+            with autocast_on(fields["autocast"]):
+                checked = check_against_eager(compiled, forward, module, args, kwargs, fields["grad_enabled"],
+                                              low_precision=_low_precision(module, fields))
     # For the other local processes, which watch the folder rather than the helper's answers.
     region.mark_jit_only(job.signature, aot_refused[job.region])
-    return aot_refused[job.region]
+    return aot_refused[job.region] if not job.shared_blocks else f"{aot_refused[job.region]}; {checked}"
+
+
+def _low_precision(module: nn.Module, fields: dict[str, Any]) -> bool:
+    """Whether the call computes in a 16-bit float (autocast, or such parameters)."""
+    return bool(fields["autocast"]) or any(p.dtype in (torch.float16, torch.bfloat16) for p in module.parameters())
 
 
 def _as_training_traces(job: Job, module: nn.Module, fields: dict[str, Any]):
@@ -110,10 +119,11 @@ def _as_training_traces(job: Job, module: nn.Module, fields: dict[str, Any]):
 
 
 def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module, args: tuple,
-                        kwargs: dict[str, Any], fields: dict[str, Any]) -> None:
+                        kwargs: dict[str, Any], fields: dict[str, Any]) -> Callable:
     """JIT-compile one call as the training process's JIT path will (same entry, backend and
     settings; the caller's autocast around it) and run its backward, so that Inductor's FX graph
-    and AOTAutograd caches hold both graphs when the training process compiles them."""
+    and AOTAutograd caches hold both graphs when the training process compiles them. Returns the
+    compiled function."""
     from kiln.compile.artifacts.aot_workarounds import autocast_on
     from kiln.compile.backend import resolve_backend
 
@@ -126,6 +136,7 @@ def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module
     leaves = [t for t in _tensors(output) if t.requires_grad]
     if leaves:
         torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+    return compiled
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
