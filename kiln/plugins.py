@@ -47,6 +47,17 @@ def parse_bool(value: str, name: str) -> bool:
     )
 
 
+def parse_outer_graph(value: str, name: str) -> bool | str:
+    """Read an outer-graph setting: "background", "auto" or a boolean."""
+    lowered = value.strip().lower()
+    if lowered in ("background", "auto"):
+        return lowered
+    try:
+        return parse_bool(value, name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: use true, false, background or auto") from None
+
+
 def parse_tristate(value: str, name: str) -> bool | None:
     """Like `parse_bool`, but 'none'/'auto' (or empty) stands for None (let torch decide)."""
     if value.strip().lower() in TRISTATE_NONE:
@@ -98,10 +109,12 @@ class TorchDynamoPlugin:
     options: dict[str, Any] | None = None
     disable: bool | None = None  # KILN_DYNAMO_DISABLE, default False
     use_regional_compilation: bool | None = None  # KILN_DYNAMO_USE_REGIONAL_COMPILATION, default False
-    # The whole model one graph, each block class one shared subgraph (None: KILN_DYNAMO_OUTER_GRAPH,
-    # default off; with use_regional_compilation, JIT only): a full compile's steady steps for
-    # about twice a block's compile time (kiln/compile/outer_graph.py). "background": per-block
-    # regions first, the outer graph once a helper process has compiled it (kiln/compile/tier_up.py).
+    # The whole model one graph, each block class one shared subgraph (with use_regional_compilation,
+    # JIT only): a full compile's steady steps for about twice a block's compile time
+    # (kiln/compile/outer_graph.py). "background": per-block regions first, the outer graph once a
+    # helper process has compiled it and checked it against eager (kiln/compile/tier_up.py). "auto"
+    # (None: KILN_DYNAMO_OUTER_GRAPH, default "auto"): "background" where it is known to work (one
+    # process, Inductor, a CPU model), else per-block regions alone, the reason in the report.
     outer_graph: bool | str | None = None
     # Regional compilation targets; None finds repeated blocks automatically.
     block_classes: tuple[type | str, ...] | None = None
@@ -158,10 +171,7 @@ class TorchDynamoPlugin:
             self.use_regional_compilation = parse_bool(raw, name) if raw is not None else False
         if self.outer_graph is None:
             raw = _env("OUTER_GRAPH", env)
-            if raw is not None and raw.strip().lower() == "background":
-                self.outer_graph = "background"
-            else:
-                self.outer_graph = parse_bool(raw, ENV_PREFIX + "OUTER_GRAPH") if raw is not None else False
+            self.outer_graph = parse_outer_graph(raw, ENV_PREFIX + "OUTER_GRAPH") if raw is not None else "auto"
         if self.recompile is None:
             self.recompile = _env("RECOMPILE", env) or "warn"
         if self.compile_in_background is None:
@@ -235,12 +245,15 @@ class TorchDynamoPlugin:
             if self.cache is False:
                 raise ValueError("precompile=True keeps its artifacts in the compile cache folder; "
                                  "it cannot be used with cache=False")
-        if not isinstance(self.outer_graph, bool) and self.outer_graph != "background":
-            raise TypeError(f"TorchDynamoPlugin.outer_graph must be a bool or 'background', got {self.outer_graph!r}")
-        if self.outer_graph and not self.use_regional_compilation:
+        if not isinstance(self.outer_graph, bool) and self.outer_graph not in ("background", "auto"):
+            raise TypeError(f"TorchDynamoPlugin.outer_graph must be a bool, 'background' or 'auto', got "
+                            f"{self.outer_graph!r}")
+        # "auto" is decided where the model is compiled (per-block regions alone beside precompile).
+        asked = self.outer_graph is True or self.outer_graph == "background"
+        if asked and not self.use_regional_compilation:
             raise ValueError(f"outer_graph={self.outer_graph!r} compiles the model around its regions: set "
                              "use_regional_compilation=True with it")
-        if self.outer_graph and self.precompile:
+        if asked and self.precompile:
             cause = "compile_in_background=True" if self.compile_in_background else "precompile=True"
             raise ValueError(f"outer_graph={self.outer_graph!r} compiles the outer graph just in time, and {cause} "
                              "precompiles each block on its own: choose one of the two")

@@ -10,6 +10,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 for _name in list(os.environ):
     if _name.startswith("KILN_") or _name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         del os.environ[_name]
+# outer_graph="auto", the default, starts a helper at a model's second call that compiles the whole
+# model with Inductor: tens of seconds of a core in every real-Inductor test, beside the other
+# workers. Those tests are about other things; the default's own tests unset this
+# (tests/compile/test_auto_outer_graph.py).
+os.environ["KILN_DYNAMO_OUTER_GRAPH"] = "false"
 
 # Under pytest-xdist the workers share the cores: each runs torch (and what it starts) on one
 # intra-op thread, since an OpenMP thread whose core another process holds stalls the others at

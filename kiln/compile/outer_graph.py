@@ -44,6 +44,45 @@ def compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "options": options}
 
 
+def choose(model: nn.Module, kwargs: dict[str, Any], *, precompiled: bool, cudagraphs: bool) -> tuple[bool | str, str]:
+    """`outer_graph="auto"`, the default: "background" (tier_up.py) where Kiln has measured that it
+    works and pays, else False and why (for the compile report). Per-block regions start as fast,
+    and the outer graph takes over once a helper has compiled it and checked it against eager
+    (eager_check.py); what it needs:"""
+    import torch.distributed as dist
+
+    backend = kwargs.get("backend", "inductor")
+    if not supported():
+        return False, f"this torch ({torch.__version__}) has no nested compile regions"
+    if precompiled:
+        return False, "precompiled regions are compiled per block"
+    if backend != "inductor":
+        return False, f"backend {backend!r}: the helper hands the outer graph over through Inductor's caches"
+    if torch._inductor.config.force_disable_caches:
+        return False, "Inductor's caches are off (TORCHINDUCTOR_FORCE_DISABLE_CACHES)"
+    if kwargs.get("dynamic"):
+        return False, "dynamic=True: not yet measured with an outer graph"
+    if cudagraphs:
+        return False, "CUDA graphs: not yet measured with an outer graph"
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return False, "several processes (DDP, FSDP, DeepSpeed): one helper per process is not yet supported"
+    if any(type(m).__name__ == "Float8Linear" for m in model.modules()):
+        return False, "torchao's float8 layers: their whole-model graph's gradients differ from eager's"
+    where = off_device(model)
+    if where:
+        return False, where
+    return "background", ""
+
+
+def off_device(model: nn.Module) -> str:
+    """Why the model's device rules the automatic outer graph out ("" on the CPU or not placed yet):
+    on a GPU the helper's copy of the whole model and its compile have not been run yet."""
+    device = next((t.device for t in [*model.parameters(), *model.buffers()] if t.device.type != "meta"), None)
+    if device is None or device.type == "cpu":
+        return ""
+    return f"a model on {device.type}: the background outer graph is not yet verified there"
+
+
 def supported() -> bool:
     """Whether this torch has nested compile regions (torch.compiler.nested_compile_region)."""
     return callable(getattr(torch.compiler, "nested_compile_region", None))

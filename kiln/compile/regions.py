@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from kiln.compile import isa_probe, kv_cache, outer_graph
+from kiln.compile import outer_graph as outer_graph_module  # where a parameter is named outer_graph
 from kiln.compile.tier_up import TierUp
 from kiln.compile.backend import TrackedBackend, resolve_backend
 from kiln.compile.groups import describe_difference, group_instances, repeats_one_block
@@ -37,7 +38,7 @@ from kiln.compile.progress import PROGRESS
 from kiln.compile.artifacts.aot_workarounds import region_entry
 from kiln.compile.artifacts.precompiled import EAGER, PrecompiledRegion, unsupported_reason
 from kiln.compile.artifacts.signatures import UnsupportedCall
-from kiln.plugins import validate_backend, validate_mode_and_options
+from kiln.plugins import parse_outer_graph, validate_backend, validate_mode_and_options
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _REGIONS: "weakref.WeakKeyDictionary[nn.Module, list[CompiledRegion]]" = weakref.WeakKeyDictionary()
@@ -90,6 +91,7 @@ class CompiledRegion:
     shared_blocks: dict[str, int] = field(default_factory=dict)  # outer: block class -> instances sharing a subgraph
     first_blocks: list[nn.Module] = field(default_factory=list, repr=False)  # outer: one instance per class
     tier_up: TierUp | None = field(default=None, repr=False)  # outer, compiled in the background (tier_up.py)
+    outer_off: str = ""  # outer_graph="auto" chose per-block regions alone: why (first region of a model)
 
     def __post_init__(self) -> None:
         self.checkpointed = hasattr(self.base_forward, "_kiln_checkpointed")
@@ -228,7 +230,7 @@ def compile_regions(
     precompile: str | os.PathLike | None = None,
     in_helpers: bool = False,
     blocks: Mapping[type, list[str]] | None = None,
-    outer_graph: bool | str = False,
+    outer_graph: bool | str | None = None,
     **torch_compile_kwargs: Any,
 ) -> nn.Module:
     """Compile each repeated block of `model` once, in place, and return the same model.
@@ -248,14 +250,16 @@ def compile_regions(
     shared subgraph (outer_graph.py): a full compile's steady steps where the host bounds them, for
     about twice a block's compile time (just in time only, torch >= 2.8). `outer_graph="background"`
     starts on per-block regions and moves each call signature to the outer graph once a helper
-    process has compiled it into Inductor's caches (tier_up.py): a per-block start, a full
-    compile's steady steps.
+    process has compiled it into Inductor's caches and checked it against eager (tier_up.py): a
+    per-block start, a full compile's steady steps. `outer_graph="auto"`, the default (None reads
+    KILN_DYNAMO_OUTER_GRAPH), is "background" where it is known to work (one process, Inductor, a
+    CPU model: outer_graph.choose) and False elsewhere, with the reason in the compile report.
 
     >>> model = compile_regions(model, mode="max-autotune")
     """
     kwargs = _check_compile_kwargs(torch_compile_kwargs)
     check_recompile_policy(recompile)
-    check_outer_graph(outer_graph)
+    outer_graph = check_outer_graph(outer_graph_from_environment() if outer_graph is None else outer_graph)
     if kwargs.get("disable"):
         warnings.warn("compile_regions(disable=True) leaves the model uncompiled", KilnCompileWarning, 2)
         return model
@@ -277,6 +281,10 @@ def compile_regions(
         )
         return compile_full(model, recompile=recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
     source = chosen_by(model, block_classes, block_paths)
+    auto, outer_off = outer_graph == "auto", ""
+    if auto:
+        outer_graph, outer_off = outer_graph_module.choose(model, kwargs, precompiled=precompile is not None or in_helpers,
+                                                           cudagraphs=_uses_cudagraphs(kwargs))
     if outer_graph is True:
         return _compile_outer(model, blocks, kwargs, recompile, precompile, in_helpers, source)
     if outer_graph:
@@ -295,7 +303,8 @@ def compile_regions(
             region.group_differs = describe_difference(group, groups[0]) if number > 1 else ""
             regions.append(region)
     if outer_graph:
-        regions.append(_outer_in_background(model, regions, kwargs, recompile, source))
+        regions.append(_outer_in_background(model, regions, kwargs, recompile, source, auto))
+    regions[0].outer_off = outer_off
     _REGIONS[model] = regions
     if _uses_cudagraphs(kwargs):
         mark_cudagraph_steps(model)
@@ -322,14 +331,20 @@ def _compile_outer(model: nn.Module, blocks: Mapping[type, list[str]], kwargs: d
     return model
 
 
-OUTER_GRAPH_VALUES = (False, True, "background")
+OUTER_GRAPH_VALUES = (False, True, "background", "auto")
 
 
 def check_outer_graph(value: Any) -> bool | str:
-    """`outer_graph` is False, True or "background"; anything else is an error."""
+    """`outer_graph` is False, True, "background" or "auto"; anything else is an error."""
     if not any(value is v if isinstance(v, bool) else value == v for v in OUTER_GRAPH_VALUES):
-        raise ValueError(f"outer_graph must be False, True or 'background', got {value!r}")
+        raise ValueError(f"outer_graph must be False, True, 'background' or 'auto', got {value!r}")
     return value
+
+
+def outer_graph_from_environment() -> bool | str:
+    """KILN_DYNAMO_OUTER_GRAPH (true, false, background, auto), "auto" where unset."""
+    raw = os.environ.get("KILN_DYNAMO_OUTER_GRAPH")
+    return "auto" if raw is None or not raw.strip() else parse_outer_graph(raw, "KILN_DYNAMO_OUTER_GRAPH")
 
 
 def _check_outer(model: nn.Module, precompile: str | os.PathLike | None, in_helpers: bool, setting: str) -> None:
@@ -368,7 +383,7 @@ def _check_background_outer(kwargs: dict[str, Any]) -> None:
 
 
 def _outer_in_background(model: nn.Module, regions: list[CompiledRegion], kwargs: dict[str, Any], recompile: str,
-                         source: str) -> CompiledRegion:
+                         source: str, auto: bool) -> CompiledRegion:
     """compile_regions(outer_graph="background"): the per-block regions stay each block's forward
     outside a compiled graph, and become its shared subgraph inside the outer graph, which the
     model's forward (tier_up.TierUp) runs once the helper has compiled the call's signature."""
@@ -385,7 +400,7 @@ def _outer_in_background(model: nn.Module, regions: list[CompiledRegion], kwargs
     kwargs = outer_graph.compile_kwargs(kwargs)
     outer = _compile_class(type(model), [model], [""], "outer", kwargs, recompile)
     outer.chosen_by, outer.shared_blocks, outer.first_blocks = source, shared, first
-    outer.tier_up = TierUp(outer, groups, kwargs, KilnCompileWarning)
+    outer.tier_up = TierUp(outer, groups, kwargs, KilnCompileWarning, auto=auto)
     model.forward = types.MethodType(outer.tier_up.forward, model)
     return outer
 

@@ -53,6 +53,7 @@ class RegionReport:
     subgraph_calls: dict[str, int] = field(default_factory=dict)  # its last graph: subgraph -> call sites
     # outer_graph="background" (kiln/compile/tier_up.py): per signature, when it switched or why it did not.
     background_outer: list[str] = field(default_factory=list)
+    outer_off: str = ""  # outer_graph="auto" chose per-block regions alone: why
     waiting_for_helper: bool = False  # an outer graph the helper is still compiling: not run yet, by design
 
     @property
@@ -157,6 +158,8 @@ class CompileReport:
                              "regions run meanwhile")
             for note in r.background_outer:
                 lines.append(f"{r.name}: {note}")
+            if r.outer_off:
+                lines.append(f"{r.name}: no outer graph (outer_graph='auto'): {r.outer_off}")
         for note in self.settings:
             lines.append(f"setting: {note}")
         if self.timeline:
@@ -209,6 +212,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 shared_blocks=dict(region.shared_blocks),
                 subgraph_calls=dict(region.backend.graphs[-1].subgraphs) if region.backend.graphs else {},
                 background_outer=list(region.tier_up.notes) if region.tier_up is not None else [],
+                outer_off=region.outer_off,
                 waiting_for_helper=region.tier_up is not None and region.tier_up.waiting,
                 **_precompile_fields(region),
             ))

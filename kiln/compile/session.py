@@ -86,9 +86,16 @@ class CompileSession:
             if self.is_local_main:  # before anything of this job is compiled or loaded, the CPU probe's too
                 self._check_recorded_files(key)
         if plugin.use_regional_compilation:
+            outer = plugin.outer_graph
+            strategy = context.get("strategy", "single")
+            if outer == "auto" and strategy != "single":  # its hooks run around each block, or one helper a process
+                outer = False
+                note = f"outer_graph='auto': per-block regions alone under the {strategy} strategy"
+                if note not in plugin.notes:
+                    plugin.notes.append(note)
             compile_regions(model, block_classes=plugin.block_classes, block_paths=plugin.block_paths, blocks=blocks,
                             recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers,
-                            outer_graph=plugin.outer_graph, **kwargs)
+                            outer_graph=outer, **kwargs)
         else:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
         here = in_helpers and self._compile_here(model)

@@ -1,5 +1,5 @@
 """Per-block regions first, the outer graph once a helper has compiled it:
-`compile_regions(outer_graph="background")`.
+`compile_regions(outer_graph="background")`, and the default "auto" where it applies.
 
 Depends on torch and kiln.compile (the outer graph's block sharing, the background compiler, call
 signatures); never on kiln.compile.regions, the facade or a strategy. Where the host bounds a step,
@@ -26,8 +26,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kiln.compile.artifacts import background
 from kiln.compile.artifacts.background import BackgroundCompiler, Job, _path_of, same_tensors, weightless_copy
 from kiln.compile.artifacts.eager_check import OuterGraphDiffers
+from kiln.compile.outer_graph import off_device
 from kiln.compile.artifacts.signatures import UnsupportedCall, argument_key, autocast_state, call_signature, signature_digest
 
 # SEEN: called once. The job goes to the helper at a signature's second call, once the per-block
@@ -45,7 +47,7 @@ class TierUp:
     share as one nested region (outer_graph.share_block_code) and their module paths."""
 
     def __init__(self, outer: Any, groups: list[tuple[Callable, list[str]]], compile_kwargs: dict[str, Any],
-                 warn: type[Warning]) -> None:
+                 warn: type[Warning], auto: bool = False) -> None:
         self.outer = outer  # the CompiledRegion of kind "outer"; its compiled_forward runs the outer graph
         self.groups = groups
         self.compile_kwargs = dict(compile_kwargs)
@@ -59,6 +61,11 @@ class TierUp:
         self.failure: str | None = None  # the helpers failed: later signatures stay per-block too
         self._warned = False
         self._room_calls: int | None = None  # calls since training's threads were lowered, nothing sent yet
+        # outer_graph="auto" (the default, not asked for): a signature kept on the per-block regions is
+        # a note in the report, not a warning, unless the helper found the outer graph wrong; and a
+        # model found on a device the background outer graph is not verified on stays per-block.
+        self.auto = auto
+        self.off = False
 
     @property
     def waiting(self) -> bool:
@@ -66,6 +73,15 @@ class TierUp:
         return any(state is SEEN or state is PENDING for state in self.states.values())
 
     def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self.off:
+            self.per_block_calls += 1
+            return self.outer.base_forward(module, *args, **kwargs)
+        if self.auto and not self.states:
+            why = _auto_refuses(module)
+            if why:
+                self.off = True
+                self._keep_note(why)
+                return self.forward(module, *args, **kwargs)
         try:
             key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), module.training, autocast_state(),
                    tuple(argument_key(a) for a in args), tuple((k, argument_key(v)) for k, v in kwargs.items()),
@@ -166,7 +182,7 @@ class TierUp:
                 self.failure = compiler.failure
             differs = outcome.error.startswith(OuterGraphDiffers.__name__ + ": ")
             self._keep(key, outcome.error.split(": ", 1)[1] if differs
-                       else f"the helper could not compile it ({outcome.error})")
+                       else f"the helper could not compile it ({outcome.error})", warn=differs or not self.auto)
         else:
             self.states[key] = READY
             checked = (outcome.jit_only or "").removeprefix(_AOT_OFF).removeprefix("; ")
@@ -184,23 +200,42 @@ class TierUp:
             self.compiler = None
         return self.states[key] is READY
 
-    def _keep(self, key: tuple, why: str) -> None:
+    def _keep(self, key: tuple, why: str, warn: bool | None = None) -> None:
         self.states[key] = KEPT
-        self._keep_note(why)
+        self._keep_note(why, warn)
 
-    def _keep_note(self, why: str, warn: bool = True) -> None:
+    def _keep_note(self, why: str, warn: bool | None = None) -> None:
+        """A note for the report; a warning too (once) where the user asked for the outer graph,
+        or `warn` says so."""
         note = f"kept on the per-block regions: {why}"
         if note in self.notes:
             return
         self.notes.append(note)
-        if warn and not self._warned:
+        if (not self.auto if warn is None else warn) and not self._warned:
             self._warned = True
-            warnings.warn(f"outer_graph='background': {self.outer.name} {note}", self.warn, stacklevel=4)
+            setting = "auto" if self.auto else "background"
+            warnings.warn(f"outer_graph={setting!r}: {self.outer.name} {note}", self.warn, stacklevel=4)
 
     def close(self) -> None:
         if self.compiler is not None:
             self.compiler.close()
             self.compiler = None
+
+
+def _auto_refuses(module: nn.Module) -> str:
+    """Why outer_graph="auto" keeps a model on its per-block regions, found at its first call ("" if
+    nothing): the device it was moved to after compile_regions, or no free core for the helper.
+    "background" asked for by name lends the helper one of training's threads instead; "auto" does
+    not: on 2 cores, training on one thread took 432 ms a step against about 200 ms (make demo's
+    GPT-2), and 150 steps ended before the helper was done."""
+    where = off_device(module)
+    if where:
+        return where
+    threads, cores = torch.get_num_threads(), background.free_cores()
+    if threads >= cores:
+        return (f"training's {threads} thread(s) fill this process's {cores} core(s), leaving none for the "
+                "helper (outer_graph='background' lends it one of training's threads until it is done)")
+    return ""
 
 
 def _call_text(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str:

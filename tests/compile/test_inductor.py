@@ -61,14 +61,16 @@ def test_inductor_outer_graph_training_step_gives_eagers_gradients():
 
 @pytest.mark.warm_starts  # a helper's cold compile beside training's: about a minute, so CI's warm-starts lane
 def test_inductor_outer_graph_compiled_in_the_background_is_found_in_the_caches(tmp_path, monkeypatch):
-    """outer_graph="background": the helper's compile fills Inductor's caches, and the training
-    process's compile at the switch finds every graph there (no miss), with eager's gradients."""
+    """The default (outer_graph="auto": "background" for a CPU model with Inductor): the helper's
+    compile fills Inductor's caches and passes its check against eager, and the training process's
+    compile at the switch finds every graph there (no miss), with eager's gradients."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # empty: the helper fills it
+    monkeypatch.delenv("KILN_DYNAMO_OUTER_GRAPH")  # the tests' conftest turns the default off
     torch.manual_seed(0)
     eager = tiny_llama(2, width=64, init_std=0.08)
     compiled = tiny_llama(2, width=64, init_std=0.08)
     compiled.load_state_dict(eager.state_dict())
-    compile_regions(compiled, backend="inductor", outer_graph="background")
+    compile_regions(compiled, backend="inductor")
     block, outer = compiled_regions(compiled)
     ids = torch.randint(0, 97, (2, 16))
     began, after = time.monotonic(), 0
@@ -86,3 +88,4 @@ def test_inductor_outer_graph_compiled_in_the_background_is_found_in_the_caches(
         assert time.monotonic() - began < 400, "the outer graph never took over"
     assert outer.cache_misses == 0 and outer.cache_hits > 0, (outer.cache_hits, outer.cache_misses)
     assert outer.calls == 2 and block.cache_misses > 0  # the blocks compiled cold, here
+    assert outer.tier_up.auto and "checked against eager: worst relative difference" in " ".join(outer.tier_up.notes)
