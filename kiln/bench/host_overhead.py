@@ -99,7 +99,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     base.loss_type = base.config.loss_type = "ForCausalLM"  # see measure.measure
     names = [n for n in row.get("variants") or VARIANTS if n != "accelerate-regional" or _has_accelerate()]
     folder = tempfile.mkdtemp(prefix="kiln-bench-host-")
-    steps, first_s, outputs, per_block, switch = {}, {}, {}, None, {}
+    steps, first_s, outputs, per_block, switch, outer_notes = {}, {}, {}, None, {}, {}
     for name in names:
         model = copy.deepcopy(base)
         run, trained = _variant(name, model, row["backend"], folder)
@@ -116,6 +116,9 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         switched = _until_switched(model, steps[name])
         if switched is not None:
             switch[name] = switched
+        notes = _outer_graph_notes(model)
+        if notes:
+            outer_notes[name] = notes
     times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(row["steps"]):
         for name in names:
@@ -137,6 +140,8 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
                                         for n in ("precompiled",) if n in times}
     if switch:
         result["outer_graph_switch"] = switch
+    if outer_notes:  # why a variant on the default settings kept its per-block regions, or how it switched
+        result["outer_graph_notes"] = outer_notes
     if per_block is not None and not train:
         result["breakdown"] = breakdown(per_block, steps, times)
     return result
@@ -150,16 +155,25 @@ def _until_switched(model: Any, step: Callable[[], None]) -> dict[str, float] | 
     from kiln.compile.regions import compiled_regions
 
     outer = next((r for r in compiled_regions(model) if r.tier_up is not None), None)
-    if outer is None:
+    if outer is None or outer.tier_up.off:  # "auto" kept the per-block regions (the report says why)
         return None
     began, count = time.perf_counter(), 0
     while not outer.calls:
-        if time.perf_counter() - began > SWITCH_TIMEOUT:
-            raise RuntimeError(f"outer_graph='background' did not switch in {SWITCH_TIMEOUT:.0f} s: "
+        if not outer.tier_up.waiting or time.perf_counter() - began > SWITCH_TIMEOUT:
+            raise RuntimeError(f"the outer graph did not take over in {time.perf_counter() - began:.0f} s: "
                                + "; ".join(outer.tier_up.notes))
         step()
         count += 1
     return {"seconds": round(time.perf_counter() - began, 3), "steps": count}
+
+
+def _outer_graph_notes(model: Any) -> list[str]:
+    """The compile report's lines on a background outer graph: its switch, or why it was not used."""
+    from kiln.compile.regions import compiled_regions
+
+    regions = compiled_regions(model)
+    notes = [n for r in regions if r.tier_up is not None for n in r.tier_up.notes]
+    return notes + [r.outer_off for r in regions if r.outer_off]
 
 
 def _has_accelerate() -> bool:

@@ -47,7 +47,7 @@ class TierUp:
     share as one nested region (outer_graph.share_block_code) and their module paths."""
 
     def __init__(self, outer: Any, groups: list[tuple[Callable, list[str]]], compile_kwargs: dict[str, Any],
-                 warn: type[Warning], auto: bool = False) -> None:
+                 warn: type[Warning], auto: bool = False, stand_down: Callable[[], None] | None = None) -> None:
         self.outer = outer  # the CompiledRegion of kind "outer"; its compiled_forward runs the outer graph
         self.groups = groups
         self.compile_kwargs = dict(compile_kwargs)
@@ -66,6 +66,8 @@ class TierUp:
         # model found on a device the background outer graph is not verified on stays per-block.
         self.auto = auto
         self.off = False
+        self._auto_checked = False
+        self.stand_down = stand_down  # undoes the blocks' shared-code wrappers where "auto" refuses
 
     @property
     def waiting(self) -> bool:
@@ -76,11 +78,14 @@ class TierUp:
         if self.off:
             self.per_block_calls += 1
             return self.outer.base_forward(module, *args, **kwargs)
-        if self.auto and not self.states:
+        if self.auto and not self._auto_checked:
+            self._auto_checked = True
             why = _auto_refuses(module)
             if why:
                 self.off = True
                 self._keep_note(why)
+                if self.stand_down is not None:
+                    self.stand_down()
                 return self.forward(module, *args, **kwargs)
         try:
             key = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), module.training, autocast_state(),

@@ -125,6 +125,8 @@ def test_training_threads_that_fill_every_core_keep_per_block_regions_at_full_sp
             warnings.simplefilter("error", KilnCompileWarning)
             assert [model(input_ids=torch.zeros(1, 4, dtype=torch.long)) for _ in range(3)] == ["per-block"] * 3
         assert torch.get_num_threads() == 2 and outer.tier_up.off and outer.tier_up.compiler is None
+        # The blocks call their own regions again, without the shared-code wrapper's frame.
+        assert all(layer.forward.__func__ is block.compiled_forward for layer in model.model.layers)
         assert ("kept on the per-block regions: training's 2 thread(s) fill this process's 2 core(s)"
                 in compile_report(model).table())
     finally:
