@@ -110,7 +110,7 @@ def test_generation_with_a_kv_cache_stays_on_the_per_block_regions():
 
 
 def test_settings_it_cannot_work_with_are_refused(monkeypatch, tmp_path):
-    with pytest.raises(ValueError, match="outer_graph must be False, True or 'background'"):
+    with pytest.raises(ValueError, match="outer_graph must be False, True, 'background' or 'auto'"):
         compile_regions(tiny_llama(layers=2), backend="aot_eager", outer_graph="sometimes")
     with pytest.raises(NotImplementedError, match="choose one of the two"):
         compile_regions(tiny_llama(layers=2), backend="aot_eager", outer_graph="background", fullgraph=True,
@@ -118,7 +118,7 @@ def test_settings_it_cannot_work_with_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     with pytest.raises(ValueError, match="needs Inductor's compile caches"):
         compile_regions(tiny_llama(layers=2), backend="inductor", outer_graph="background")
-    with pytest.raises(TypeError, match="must be a bool or 'background'"):
+    with pytest.raises(TypeError, match="must be a bool, 'background' or 'auto'"):
         TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True, outer_graph="sometimes")
     monkeypatch.setenv("KILN_DYNAMO_OUTER_GRAPH", "background")
     plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True)
