@@ -55,7 +55,9 @@ def run_child(folder: Path, mode: str, checkpoint: Path, marker: Path) -> tuple[
     """`run_job` in a fresh interpreter on `folder` (its Kiln folder, Inductor's inside it), holding the
     job's signing key; fails the test on a crash, with its output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "TORCHINDUCTOR_"))}
+    # Per-block regions alone: the default's outer graph would add a helper and a region of its own.
     env.update(KILN_COMPILE_CACHE_DIR=str(folder), OMP_NUM_THREADS="1", KILN_TEST_MARKER=str(marker),
+               KILN_DYNAMO_OUTER_GRAPH="false",
                **{ENV_KEY: KEY})
     proc = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(Path(__file__).parent), str(checkpoint), mode],
                           capture_output=True, text=True, timeout=600, env=env, cwd=folder.parent)
