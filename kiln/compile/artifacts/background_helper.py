@@ -25,6 +25,7 @@ from kiln.compile import isa_probe
 from kiln.compile.artifacts.background import (Job, _cpu_inductor, _import, _import_runtime, example_inputs,
                                                with_same_tensors)
 from kiln.compile.artifacts.compile_pool import READY, _read_frame, _write_frame
+from kiln.compile.artifacts.eager_check import output_tensors
 from kiln.compile.messages import first_line
 
 def _watch_parent(parent: int) -> None:
@@ -133,20 +134,10 @@ def fill_compile_caches(entry, compile_kwargs: dict[str, Any], module: nn.Module
     compiled = torch.compile(entry, backend=backend, **kw)
     with torch.set_grad_enabled(fields["grad_enabled"]), autocast_on(fields["autocast"]):
         output = compiled(module, *args, **kwargs)
-    leaves = [t for t in _tensors(output) if t.requires_grad]
+    leaves = [t for t in output_tensors(output) if t.requires_grad]
     if leaves:
         torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
     return compiled
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    return []
 
 
 def main() -> None:

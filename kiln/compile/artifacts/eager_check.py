@@ -76,7 +76,7 @@ def _run(call: Callable, module: nn.Module, args: tuple, kwargs: dict[str, Any],
         parameter.grad = None
     torch.manual_seed(seed)
     with torch.set_grad_enabled(grad):
-        outputs = _tensors(call(module, *args, **kwargs))
+        outputs = output_tensors(call(module, *args, **kwargs))
     found = {f"output {i}": t.detach().float().cpu() for i, t in enumerate(outputs)}
     leaves = [t for t in outputs if t.requires_grad]
     if leaves:
@@ -108,11 +108,12 @@ def _worst(got: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> 
     return worst, error
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def output_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of a call's output (a tensor, or tuples, lists and dicts of them, as model outputs are)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in output_tensors(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in output_tensors(v)]
     return []
