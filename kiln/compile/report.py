@@ -55,11 +55,12 @@ class RegionReport:
     background_outer: list[str] = field(default_factory=list)
     outer_off: str = ""  # outer_graph="auto" chose per-block regions alone: why
     waiting_for_helper: bool = False  # an outer graph the helper is still compiling: not run yet, by design
+    stood_down: bool = False  # an outer graph every call was kept off (tier_up.TierUp.stood_down): by design
 
     @property
     def silent(self) -> bool:
         """Meant to run compiled, yet no compiled code ran."""
-        return self.compiled_calls == 0 and not self.waiting_for_helper
+        return self.compiled_calls == 0 and not self.waiting_for_helper and not self.stood_down
 
     @property
     def ran(self) -> str:
@@ -214,6 +215,7 @@ def compile_report(*models: nn.Module, artifact_cache: dict[str, int] | None = N
                 background_outer=list(region.tier_up.notes) if region.tier_up is not None else [],
                 outer_off=region.outer_off,
                 waiting_for_helper=region.tier_up is not None and region.tier_up.waiting,
+                stood_down=region.tier_up is not None and region.tier_up.stood_down,
                 **_precompile_fields(region),
             ))
     return CompileReport(regions, dict(artifact_cache or {}), list(settings or ()), list(timeline or ()),

@@ -70,6 +70,12 @@ class TierUp:
         self.stand_down = stand_down  # undoes the blocks' shared-code wrappers where "auto" refuses
 
     @property
+    def stood_down(self) -> bool:
+        """Every call so far stays on the per-block regions by design ("auto" refused, or each
+        signature kept): the outer region not running is no fallback."""
+        return self.off or (bool(self.states) and all(state is KEPT for state in self.states.values()))
+
+    @property
     def waiting(self) -> bool:
         """A signature is on its way to the outer graph (met once, or with the helper)."""
         return any(state is SEEN or state is PENDING for state in self.states.values())
