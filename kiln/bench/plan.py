@@ -74,7 +74,7 @@ SUITE_VARIANTS = {
     "compile": ("",),
     "warm-start": ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
                    "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine",
-                   "resume-fresh-machine-precompiled"),
+                   "resume-fresh-machine-user-inductor-dir", "resume-fresh-machine-precompiled"),
     "buckets": ("static", "static-buckets", "dynamic", "dynamic-buckets"),
     "host-overhead": ("",),  # one row holds every variant (kiln.bench.host_overhead.VARIANTS)
     "checkpointing": ("eager", "eager-checkpointing", "eager-checkpointing-reentrant", "regional",

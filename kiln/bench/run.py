@@ -97,6 +97,9 @@ def _run_warm_start_row(row: Row, index: int, workspace: Path, colds: dict[tuple
     caches = {"KILN_COMPILE_CACHE_DIR": str(folder)}
     if row.variant in ("eager", "busy-eager", "accelerate-regional"):  # no Kiln cache: Inductor's own, empty, in the folder
         caches["TORCHINDUCTOR_CACHE_DIR"] = str(folder / "inductor")
+    if row.variant == "resume-fresh-machine-user-inductor-dir":  # the user's own Inductor folder, empty
+        caches["TORCHINDUCTOR_CACHE_DIR"] = str(folder.with_name(folder.name + "-user-inductor"))
+        Path(caches["TORCHINDUCTOR_CACHE_DIR"]).mkdir()
     return _run_child(row, caches, timeout_s)
 
 

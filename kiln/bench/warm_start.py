@@ -12,7 +12,10 @@ kiln.compile (never the facade). Variants (what lies in the cache folder as the 
     warm-precompiled-copy   a copy of cold-precompile's folder at another path
     resume-fresh-machine    nothing but the compile artifacts cold's run packed as save_state puts them in a
                             checkpoint (kiln/compile/artifacts/bundle.py), installed as load_state does,
-                            before the first step: a resume on a machine with empty caches
+                            after the model is compiled (prepare) and before the first step: a resume on
+                            a machine with empty caches
+    resume-fresh-machine-user-inductor-dir
+                            the same with the user's own TORCHINDUCTOR_CACHE_DIR, an empty folder
     resume-fresh-machine-precompiled
                             the same from cold-precompile's run, whose artifacts hold its precompiled
                             regions: they load with no Dynamo trace
@@ -30,10 +33,11 @@ from typing import Any
 from kiln.bench.plan import measured
 
 VARIANTS = ("cold", "warm-inductor-dir-only", "warm-artifacts-only", "warm", "cold-precompile",
-            "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine", "resume-fresh-machine-precompiled")
+            "warm-precompiled", "warm-precompiled-copy", "resume-fresh-machine", "resume-fresh-machine-user-inductor-dir",
+            "resume-fresh-machine-precompiled")
 PRECOMPILE_VARIANTS = ("cold-precompile", "warm-precompiled", "warm-precompiled-copy",
                        "resume-fresh-machine-precompiled")
-RESUME_VARIANTS = ("resume-fresh-machine", "resume-fresh-machine-precompiled")
+RESUME_VARIANTS = ("resume-fresh-machine", "resume-fresh-machine-user-inductor-dir", "resume-fresh-machine-precompiled")
 TARGET_RATIO = 0.25  # warm / cold, load + first step
 RESUME_TARGET_RATIO = 0.2  # resume-fresh-machine / cold (issue 28)
 BUNDLE = "compile_artifacts.kiln"  # the name save_state gives the file in a checkpoint
@@ -98,8 +102,13 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
     cache.activate()
     start = time.perf_counter()
     key = cache.key(model, {"backend": row["backend"]}, torch.device(row["device"]))
+    hit = cache.load(key)  # what prepare does: a fresh machine misses here
+    if row["variant"] in PRECOMPILE_VARIANTS:  # loaded (or compiled and saved) at the first call
+        compile_regions(model, backend=row["backend"], fullgraph=True, precompile=cache.precompiled_dir)
+    else:  # per-block regions: what a warm start loads (outer_graph="auto" adds its helper from the second step)
+        compile_regions(model, backend=row["backend"], outer_graph=False)
     installed, verify_s = None, 0.0
-    if row["variant"] in RESUME_VARIANTS:  # what load_state does before the first step
+    if row["variant"] in RESUME_VARIANTS:  # what load_state does after prepare, before the first step
         # The saving job's key, as a fresh machine gets it: in the environment (docs/checkpoints.md#trust).
         os.environ[ENV_KEY] = (checkpoint_folder(cache.directory) / KEY_FILE).read_text().strip()
         bundle = checkpoint_folder(cache.directory) / BUNDLE
@@ -109,14 +118,8 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         installed = install_bundle(bundle, cache, [key], row["device"], vouched)
         if installed.message is not None:
             return dict(row, error=installed.message)
-    hit = cache.load(key)
+        hit = cache.load(key)
     load_s = time.perf_counter() - start
-    if row["variant"] in PRECOMPILE_VARIANTS:  # loaded (or compiled and saved) at the first call
-        start = time.perf_counter()
-        compile_regions(model, backend=row["backend"], fullgraph=True, precompile=cache.precompiled_dir)
-        load_s += time.perf_counter() - start
-    else:  # per-block regions: what a warm start loads (outer_graph="auto" adds its helper from the second step)
-        compile_regions(model, backend=row["backend"], outer_graph=False)
     losses = []  # the same in every variant if warm code computes what cold code did
 
     def step() -> float:
@@ -162,6 +165,7 @@ def measure(row: dict[str, Any]) -> dict[str, Any]:
         threads=torch.get_num_threads(), bundle_bytes=bundle_bytes,
         installed_files=installed.installed if installed is not None else None,
         verify_ms=round(verify_s * 1e3, 2) if installed is not None else None,
+        inductor_dir=cache.inductor_dir_source,
     )
     for name in COUNT_FIELDS:
         result[name] = sum(getattr(m, name, None) or 0 for m in metrics)

@@ -416,15 +416,17 @@ def _outer_in_background(model: nn.Module, regions: list[CompiledRegion], kwargs
 
 
 def _start_cpu_probe(model: nn.Module, kwargs: dict[str, Any], in_helpers: bool) -> None:
-    """Start Inductor's CPU probe now (isa_probe.py) for a CPU model this process compiles or loads
-    with Inductor: its answers are ready, or nearly, at the first compiled call instead of being
-    asked for one by one there (a precompiled warm start's first step, torch 2.13, 2 cores: 1.6 s of
-    2.2 s). Under `in_helpers` the caller knows whether this process compiles (the session starts it)."""
+    """Have Inductor's CPU probe (isa_probe.py) start at the first compiled call of a CPU model this
+    process compiles or loads with Inductor: its questions are asked side by side while Dynamo traces,
+    instead of one by one when Inductor first needs them (a precompiled warm start's first step, torch
+    2.13, 2 cores: 1.6 s of 2.2 s). Not at compile time: load_state may install the probe's libraries
+    before the first step (isa_probe.arm). Under `in_helpers` the caller knows whether this process
+    compiles (the session arms it)."""
     if in_helpers or kwargs.get("backend", "inductor") != "inductor":
         return
     tensor = next(itertools.chain(model.parameters(), model.buffers()), None)
     if tensor is None or tensor.device.type == "cpu":
-        isa_probe.start()
+        isa_probe.arm()
 
 
 def _uses_cudagraphs(kwargs: dict[str, Any]) -> bool:
@@ -542,6 +544,8 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     # learns the region from PROGRESS, restored on the way out.
     def forward(module, *args, **kwargs):
         outer = PROGRESS.enter(region.name)  # names the region in the live compile line
+        if not region.invocations:
+            isa_probe.start_if_armed()  # the CPU probe, from the first compiled call on (_start_cpu_probe)
         try:
             handed_back = False  # a signature the background helper gave back to the JIT path
             precompiled = region.precompiled

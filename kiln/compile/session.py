@@ -103,7 +103,7 @@ class CompileSession:
             compile_full(model, recompile=plugin.recompile, precompile=precompile, in_helpers=in_helpers, **kwargs)
         here = in_helpers and self._compile_here(model)
         if backend == "inductor" and device.type == "cpu" and (here or not in_helpers):
-            isa_probe.start()  # this process compiles or loads at the first call, which waits for it (isa_probe.py)
+            isa_probe.arm()  # this process compiles or loads from the first call, which starts it (isa_probe.py)
         if in_helpers and not here:
             self._compile_in_background(model)
             self._warn_uncached_fill(model, backend)

@@ -51,14 +51,25 @@ def run_job(checkpoint: str, mode: str) -> dict:
     return {"losses": losses, "compiled_calls": region.compiled_calls, "eager_calls": region.eager_calls}
 
 
-def run_child(folder: Path, mode: str, checkpoint: Path, marker: Path) -> tuple[dict, str]:
-    """`run_job` in a fresh interpreter on `folder` (its Kiln folder, Inductor's inside it), holding the
-    job's signing key; fails the test on a crash, with its output."""
+# The C++ compiler every run uses: g++, each build it runs logged to $COMPILER_LOG (Inductor takes $CXX).
+# Not logged: version queries, and the header Inductor preprocesses once per process to key its
+# precompiled headers (`-E`, torch 2.13), which every warm start runs.
+COMPILER = """#!/bin/sh
+case " $* " in *" -E "*) ;; *" -o "*) echo "$*" >> "${COMPILER_LOG:-/dev/null}" ;; esac
+exec g++ "$@"
+"""
+
+
+def run_child(folder: Path, mode: str, checkpoint: Path, marker: Path, compiler: Path,
+              inductor_dir: Path | None = None, compiler_log: Path | None = None) -> tuple[dict, str]:
+    """`run_job` in a fresh interpreter on `folder` (its Kiln folder, Inductor's inside it unless the
+    user's `inductor_dir` is given), holding the job's signing key; fails the test on a crash, with its
+    output. `compiler` (every run the same: it is part of a kernel's key) logs its builds to `compiler_log`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KILN_", "TORCHINDUCTOR_"))}
     # Per-block regions alone: the default's outer graph would add a helper and a region of its own.
     env.update(KILN_COMPILE_CACHE_DIR=str(folder), OMP_NUM_THREADS="1", KILN_TEST_MARKER=str(marker),
-               KILN_DYNAMO_OUTER_GRAPH="false",
-               **{ENV_KEY: KEY})
+               KILN_DYNAMO_OUTER_GRAPH="false", CXX=str(compiler), COMPILER_LOG=str(compiler_log or os.devnull),
+               **({"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)} if inductor_dir else {}), **{ENV_KEY: KEY})
     proc = subprocess.run([sys.executable, "-c", CHILD, str(TESTS), str(Path(__file__).parent), str(checkpoint), mode],
                           capture_output=True, text=True, timeout=600, env=env, cwd=folder.parent)
     output = proc.stdout + proc.stderr
@@ -71,12 +82,16 @@ def run_child(folder: Path, mode: str, checkpoint: Path, marker: Path) -> tuple[
 def cold(tmp_path_factory):
     """The untampered run: its Kiln folder, checkpoint and losses, and a library that marks its loading."""
     root = tmp_path_factory.mktemp("tampering")
+    compiler = root / "compiler" / "g++"
+    compiler.parent.mkdir()
+    compiler.write_text(COMPILER)
+    compiler.chmod(0o755)
     marker_library = root / "marker.so"
     (root / "marker.c").write_text(MARKER_SOURCE)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(marker_library), str(root / "marker.c")], check=True)
-    result, _ = run_child(root / "cold", "save", root / "checkpoint", root / "unused-marker")
+    result, _ = run_child(root / "cold", "save", root / "checkpoint", root / "unused-marker", compiler)
     assert result["eager_calls"] == 0 and result["compiled_calls"] == 2 * STEPS, result  # every layer call
-    return {"root": root, "folder": root / "cold", "checkpoint": root / "checkpoint", "losses": result["losses"],
+    return {"root": root, "compiler": compiler, "folder": root / "cold", "checkpoint": root / "checkpoint", "losses": result["losses"],
             "marker_library": marker_library.read_bytes()}
 
 
@@ -117,7 +132,7 @@ def test_a_damaged_cache_folder_is_moved_aside_and_compiled_again_and_no_foreign
             path.write_bytes(damage(path.read_bytes(), how, replacement))
             done.add((kind, how))
     marker = tmp_path / "marker"
-    result, output = run_child(folder, "again", cold["checkpoint"], marker)
+    result, output = run_child(folder, "again", cold["checkpoint"], marker, cold["compiler"])
     assert not marker.exists(), "a planted library's constructor ran"
     assert result["losses"] == cold["losses"] and result["eager_calls"] == 0 and result["compiled_calls"] == 2 * STEPS
     assert output.count("of this job's compiled code changed since Kiln recorded them") == 1, output[-3000:]
@@ -146,7 +161,7 @@ def test_a_tampered_checkpoint_is_refused_and_no_foreign_code_runs(cold, tmp_pat
     path.write_bytes(pack_envelope(bundle.MAGIC, {k: v for k, v in header.items() if not k.startswith("payload_")},
                                    tampered))
     marker = tmp_path / "marker"
-    result, output = run_child(tmp_path / "fresh-machine", "resume", checkpoint, marker)
+    result, output = run_child(tmp_path / "fresh-machine", "resume", checkpoint, marker, cold["compiler"])
     assert not marker.exists(), "the checkpoint's library ran"
     assert "KilnTrustWarning" in output and "does not match its contents" in output, output[-3000:]
     assert result["losses"] == cold["losses"][SAVED_AT:] and result["eager_calls"] == 0
@@ -154,3 +169,16 @@ def test_a_tampered_checkpoint_is_refused_and_no_foreign_code_runs(cold, tmp_pat
     # The cold compile built its own kernels: none of the checkpoint's planted libraries was installed.
     built = list((tmp_path / "fresh-machine" / "inductor").rglob("*.so"))
     assert built and all(p.read_bytes() != cold["marker_library"] for p in built)
+
+
+def test_a_fresh_machine_resumes_into_the_users_inductor_folder_without_running_the_compiler(cold):
+    # Issue 39: the CPU probe started at prepare, before load_state had installed its libraries, and
+    # built them again with g++ (5 s of a 6.4 s resume); now it starts at the first compiled call.
+    root, log = cold["root"], cold["root"] / "resume-compiler-calls"
+    users = root / "users-inductor"
+    users.mkdir()
+    result, output = run_child(root / "fresh-machine", "resume", cold["checkpoint"], root / "marker",
+                               cold["compiler"], inductor_dir=users, compiler_log=log)
+    assert result["losses"] == cold["losses"][SAVED_AT:] and result["eager_calls"] == 0
+    assert list(users.rglob("*.so")), "the checkpoint's kernels were not installed into the user's Inductor folder"
+    assert not log.exists(), "the resume ran the C++ compiler:\n" + log.read_text()[:3000]
