@@ -199,9 +199,10 @@ def progress_tail(result: dict[str, Any]) -> str:
     """'21.3 s  compile 18.2 s, steady 30.41 ms, peak 465 MiB', printed when the row is done."""
     if "skipped" in result:
         return f"skipped ({result['skipped']})"
+    if "error" in result:  # a row that never started a process (its cold row missing) has no time
+        head = f"{result['process_s']:.1f} s  " if "process_s" in result else ""
+        return f"{head}ERROR: {result['error'][:300]}"
     head = f"{result['process_s']:.1f} s"
-    if "error" in result:
-        return f"{head}  ERROR: {result['error'][:300]}"
     busy = result.get("busy_cores_before") or 0
     note = f"  [other processes kept {busy} cores busy]" if busy > 0.25 else ""
     suite = result.get("suite", "compile")
