@@ -58,6 +58,16 @@ def parse_outer_graph(value: str, name: str) -> bool | str:
         raise ValueError(f"{name}={value!r}: use true, false, background or auto") from None
 
 
+def parse_precompile(value: str, name: str) -> bool | str:
+    """Read a precompile setting: "auto" or a boolean."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(value, name)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: use true, false or auto") from None
+
+
 def parse_tristate(value: str, name: str) -> bool | None:
     """Like `parse_bool`, but 'none'/'auto' (or empty) stands for None (let torch decide)."""
     if value.strip().lower() in TRISTATE_NONE:
@@ -128,8 +138,10 @@ class TorchDynamoPlugin:
     cache_dir: str | None = None
     # Precompiled regions (None: KILN_DYNAMO_PRECOMPILE, default off; they need fullgraph=True and
     # static shapes): each call signature is compiled ahead of time into the cache folder, and
-    # later runs load it without a Dynamo trace.
-    precompile: bool | None = None
+    # later runs load it without a Dynamo trace. "auto" with fullgraph left unset: each region is
+    # tried as one whole graph ahead of time, and a region that graph-breaks (or that these settings
+    # rule out) is JIT-compiled as torch.compile would, the reason in the report; no error, no warning.
+    precompile: bool | str | None = None
     # Train while compiling (None: KILN_DYNAMO_COMPILE_IN_BACKGROUND, default off; implies
     # precompile): the first steps run the blocks eagerly while a helper process compiles them,
     # and each region switches to compiled code between steps once its artifact is ready.
@@ -187,7 +199,7 @@ class TorchDynamoPlugin:
             self.compile_workers = parse_workers(env.get("KILN_COMPILE_WORKERS"), "KILN_COMPILE_WORKERS")
         if self.precompile is None:  # stays None (off) unless the variable is set
             raw = _env("PRECOMPILE", env)
-            self.precompile = parse_bool(raw, ENV_PREFIX + "PRECOMPILE") if raw is not None else None
+            self.precompile = parse_precompile(raw, ENV_PREFIX + "PRECOMPILE") if raw is not None else None
         if self.block_classes is not None:
             self.block_classes = tuple(self.block_classes)
         if self.block_paths is not None:
@@ -235,10 +247,10 @@ class TorchDynamoPlugin:
                 raise ValueError("compile_in_background=True loads what the helper precompiled; it cannot "
                                  "be used with precompile=False")
             self.precompile = True
-        if self.precompile is not None and not isinstance(self.precompile, bool):
-            raise TypeError(f"TorchDynamoPlugin.precompile must be None or a bool, got {self.precompile!r}")
+        if self.precompile is not None and not isinstance(self.precompile, bool) and self.precompile != "auto":
+            raise TypeError(f"TorchDynamoPlugin.precompile must be None, a bool or 'auto', got {self.precompile!r}")
         self._decide_fullgraph()
-        if self.precompile:
+        if self.precompile is True:
             if self.dynamic is True:
                 raise ValueError("precompile=True needs static shapes (dynamic=False or None): artifacts "
                                  "are made per input signature")
@@ -253,6 +265,10 @@ class TorchDynamoPlugin:
         if asked and not self.use_regional_compilation:
             raise ValueError(f"outer_graph={self.outer_graph!r} compiles the model around its regions: set "
                              "use_regional_compilation=True with it")
+        if asked and self.precompile == "auto":
+            self.precompile = False
+            self.notes.append(f"precompile='auto': off beside outer_graph={self.outer_graph!r}, which compiles the "
+                              "blocks just in time inside the outer graph")
         if asked and self.precompile:
             cause = "compile_in_background=True" if self.compile_in_background else "precompile=True"
             raise ValueError(f"outer_graph={self.outer_graph!r} compiles the outer graph just in time, and {cause} "
@@ -270,7 +286,9 @@ class TorchDynamoPlugin:
         while compiling (or parallel_compile), the helpers fill the compile caches instead of
         compiling ahead of time, and training JIT-compiles each region warm (a note)."""
         wanted = ("compile_in_background=True" if self.compile_in_background
-                  else "precompile=True" if self.precompile else None)
+                  else "precompile=True" if self.precompile is True else None)
+        if self.fullgraph is None and self.precompile == "auto":
+            return  # left unset: each region is tried whole ahead of time, and JIT-compiled if it breaks
         if self.fullgraph is None:
             self.fullgraph = wanted is not None
             if wanted is not None:

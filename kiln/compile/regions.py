@@ -241,6 +241,9 @@ def compile_regions(
     `recompile` ("warn", "error", "allow") is what a recompile after `mark_warm(model)` does.
     `precompile` is a folder for precompiled artifacts (kiln/compile/artifacts/precompiled.py): each call
     signature is compiled ahead of time and saved there, and a later run loads it with no trace.
+    With `fullgraph` left unset, a region that does not trace as one whole graph is JIT-compiled
+    instead (graph breaks allowed; the report's precompile notes say why); `fullgraph=True` makes a
+    break an error, `fullgraph=False` JIT-compiles every region.
     `in_helpers` (with `precompile`): helper processes compile the signatures (train while
     compiling, kiln/compile/artifacts/background.py); under fullgraph=False, which rules an
     ahead-of-time compile out, they fill the compile caches and each signature is JIT-compiled here.
@@ -494,16 +497,20 @@ def _compile_class(cls: type, instances: list[nn.Module], paths: list[str], kind
     region = CompiledRegion(name, cls, list(paths), tracked, kind, label, recompile_policy=recompile,
                             base_forward=forward)
     if precompile is not None:
-        region.precompile_off = unsupported_reason(all_kwargs)
+        # fullgraph left unset: the region is tried as one whole graph ahead of time, and JIT-compiled
+        # as torch.compile would (graph breaks allowed) where that fails.
+        whole_or_jit = "fullgraph" not in all_kwargs and not in_helpers
+        aot_kwargs = {**all_kwargs, "fullgraph": True} if whole_or_jit else all_kwargs
+        region.precompile_off = unsupported_reason(aot_kwargs)
         aot_off = None
         if in_helpers and region.precompile_off is not None and unsupported_reason({**all_kwargs, "fullgraph": True}) is None:
             aot_off, region.precompile_off = region.precompile_off, None  # only fullgraph=False: the helpers fill caches
         if region.precompile_off is None:
             try:
                 region.precompiled = PrecompiledRegion(
-                    precompile, name, label, entry, cls, forward, all_kwargs,
+                    precompile, name, label, entry, cls, forward, aot_kwargs,
                     on_compile=lambda reason, first: MONITOR.after_precompile(region, reason, first),
-                    aot_off=aot_off)
+                    aot_off=aot_off, jit_on_failure=whole_or_jit)
             except UnsupportedCall as exc:
                 region.precompile_off = str(exc)
     if region.precompiled is not None:
@@ -698,6 +705,8 @@ def _check_compile_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         raise TypeError(f"unknown torch.compile keyword(s) {', '.join(unknown)}; "
                         f"torch {torch.__version__} takes: {', '.join(sorted(allowed))}")
     kwargs = dict(kwargs)
+    if kwargs.get("fullgraph", False) is None:  # left unset (TorchDynamoPlugin(precompile="auto")): torch's default
+        del kwargs["fullgraph"]
     kwargs["backend"] = validate_backend(kwargs.get("backend", "inductor"))
     if kwargs["backend"] in ("no", "none"):
         raise ValueError("backend 'no' means no compile; do not call compile_regions then")

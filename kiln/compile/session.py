@@ -74,7 +74,7 @@ class CompileSession:
         plugin = self.plugin
         kwargs = plugin.to_compile_kwargs()
         precompile = self.cache.precompiled_dir if self.cache is not None and plugin.precompile else None
-        if plugin.precompile and precompile is None:
+        if plugin.precompile is True and precompile is None:
             warnings.warn("precompile=True, but the compile cache is off (KILN_COMPILE_CACHE=0 or an "
                           "unusable folder), so nothing is precompiled", KilnCompileWarning, stacklevel=4)
         in_helpers, backend = plugin.compile_in_background, kwargs.get("backend", "inductor")
@@ -109,7 +109,7 @@ class CompileSession:
             self._warn_uncached_fill(model, backend)
         elif plugin.precompile:
             self._share_across_machines(model)
-        if plugin.precompile:
+        if plugin.precompile is True:  # "auto" says why in the report only
             for region in compiled_regions(model):
                 if region.precompile_off:
                     warnings.warn(f"precompile=True, but region {region.name} cannot be precompiled: "

@@ -113,8 +113,12 @@ class PrecompiledRegion:
 
     def __init__(self, directory: str | os.PathLike, name: str, label: str, entry: Callable,
                  block_class: type, forward: Callable, compile_kwargs: dict[str, Any],
-                 on_compile: Callable[[str, bool], None] | None = None, aot_off: str | None = None) -> None:
+                 on_compile: Callable[[str, bool], None] | None = None, aot_off: str | None = None,
+                 jit_on_failure: bool = False) -> None:
         self.name = name
+        # fullgraph left unset by the user: a failed ahead-of-time compile (a graph break) is the JIT
+        # path for this region, said in the report, not a warning.
+        self.jit_on_failure = jit_on_failure
         # Why these settings rule an ahead-of-time compile out (fullgraph=False), for a region whose
         # helpers only fill the compile caches: every signature is then JIT-compiled here, warm.
         self.aot_off = aot_off
@@ -486,7 +490,12 @@ class PrecompiledRegion:
             return None
         except Exception as exc:
             self._failed = True
-            cause, way_out = f"{type(exc).__name__}: {first_line(str(exc))}", explain_failure(exc, module)
+            cause = f"{type(exc).__name__}: {first_line(str(exc))}"
+            if self.jit_on_failure:
+                self._note(f"not one whole graph ahead of time ({cause}); JIT-compiled as torch.compile would, "
+                           "graph breaks allowed (fullgraph was left unset)")
+                return None
+            way_out = explain_failure(exc, module)
             self._note(f"ahead-of-time compile failed ({cause}); the rest of this run takes the JIT path; "
                        f"{way_out}")
             warnings.warn(f"region {self.name}: ahead-of-time compile failed ({cause}); it is JIT-compiled "

@@ -23,7 +23,8 @@ from kiln.compile.artifacts import precompiled as pc
 from kiln.compile.artifacts.cache import KilnCacheWarning
 from kiln.compile.regions import compile_regions, compiled_regions
 from kiln.compile.report import compile_report
-from toy_models import tiny_llama
+from kiln.compile.regions import KilnCompileWarning
+from toy_models import BreakingEncoderDecoder, tiny_llama, train_step
 from torch_features import PRECOMPILE_BACKEND, saves_ahead_of_time
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -517,3 +518,93 @@ def test_a_dtensor_parameter_keys_its_placements_and_its_process_group():
         assert ("mesh", ("tp",), (1,), (mesh.get_group(0).group_name,)) in sharded[1][-2][1][0]
     finally:
         dist.destroy_process_group()
+
+
+# ----- fullgraph left unset: ahead of time where a block is one whole graph, JIT where it breaks ---
+
+def _encoder_decoder_run(model, steps=2):
+    """Training steps of `train_step`'s batches with SGD: the losses and the last gradients."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = [train_step(model, optimizer, step) for step in range(steps)]
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(99))
+    model(x).square().mean().backward()
+    return losses, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_with_fullgraph_unset_a_block_that_breaks_is_jit_compiled_and_the_others_precompiled(tmp_path):
+    # Issue 39: one block class graph-breaks (its encoder blocks), the other traces whole. Nobody asked
+    # for whole graphs, so the break is no error and no warning: that block is JIT-compiled with its
+    # break, the report says why, and the decoder blocks are precompiled and load in a later run.
+    torch.manual_seed(0)
+    eager = BreakingEncoderDecoder()
+    expected = _encoder_decoder_run(copy.deepcopy(eager))
+
+    def run():
+        model = copy.deepcopy(eager)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", KilnCacheWarning)
+            warnings.simplefilter("error", KilnCompileWarning)
+            compile_regions(model, backend=PRECOMPILE_BACKEND, precompile=tmp_path)
+            result = _encoder_decoder_run(model)
+        return result, {r.name: r for r in compile_report(model).regions}
+
+    (losses, grads), regions = run()
+    encoder, decoder = regions["BreakingEncoderBlock"], regions["DecoderBlock"]
+    assert decoder.ran == "precompiled" and decoder.precompiled_saved == 1
+    assert encoder.ran == "jit" and encoder.precompiled_saved == 0 and encoder.precompile_off is None
+    assert any("not one whole graph ahead of time" in note and "fullgraph was left unset" in note
+               for note in encoder.precompile_notes), encoder.precompile_notes
+    assert losses == pytest.approx(expected[0], rel=1e-6)
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    torch._dynamo.reset()
+    (again, _), regions = run()
+    assert again == losses
+    assert regions["DecoderBlock"].precompiled_loaded == 1 and regions["DecoderBlock"].traces == 0
+    assert regions["BreakingEncoderBlock"].ran == "jit"
+
+
+def test_with_fullgraph_true_a_block_that_breaks_still_fails_loudly(tmp_path):
+    torch.manual_seed(0)
+    model = BreakingEncoderDecoder()
+    compile_regions(model, backend=PRECOMPILE_BACKEND, precompile=tmp_path, fullgraph=True)
+    with pytest.warns(KilnCacheWarning, match="ahead-of-time compile failed"), \
+            pytest.raises(Exception, match="graph_break"):
+        model(torch.randn(4, 6, 8))
+
+
+def test_plugin_precompile_auto_leaves_fullgraph_unset_and_gives_way_to_an_outer_graph(tmp_path):
+    plugin = TorchDynamoPlugin(precompile="auto", use_regional_compilation=True)
+    assert plugin.precompile == "auto" and plugin.fullgraph is None and plugin.notes == []
+    assert plugin.to_compile_kwargs()["fullgraph"] is None
+    assert TorchDynamoPlugin(precompile="auto", fullgraph=True).fullgraph is True
+    assert TorchDynamoPlugin(environ={"KILN_DYNAMO_PRECOMPILE": "Auto"}).precompile == "auto"
+    with pytest.raises(ValueError, match="KILN_DYNAMO_PRECOMPILE='sometimes': use true, false or auto"):
+        TorchDynamoPlugin(environ={"KILN_DYNAMO_PRECOMPILE": "sometimes"})
+    with pytest.raises(TypeError, match="precompile must be None, a bool or 'auto'"):
+        TorchDynamoPlugin(precompile="yes")
+    beside = TorchDynamoPlugin(precompile="auto", use_regional_compilation=True, outer_graph=True)
+    assert beside.precompile is False and "precompile='auto': off beside outer_graph=True" in beside.notes[0]
+    # Settings that rule an ahead-of-time compile out are no error under "auto": the report says why.
+    assert TorchDynamoPlugin(precompile="auto", dynamic=True, cache=False).precompile == "auto"
+
+
+def test_accelerator_with_precompile_auto_trains_like_eager_with_no_warning(tmp_path):
+    torch.manual_seed(0)
+    eager = BreakingEncoderDecoder()
+    expected = _encoder_decoder_run(copy.deepcopy(eager), steps=3)[0]
+    plugin = TorchDynamoPlugin(backend=PRECOMPILE_BACKEND, use_regional_compilation=True, precompile="auto",
+                               cache_dir=str(tmp_path), outer_graph=False)
+    acc = Accelerator(dynamo_plugin=plugin)
+    model = copy.deepcopy(eager)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KilnCacheWarning)
+        warnings.simplefilter("error", KilnCompileWarning)
+        model, optimizer = acc.prepare(model, optimizer)
+        losses = [train_step(model, optimizer, step, acc) for step in range(3)]
+    assert losses == pytest.approx(expected, rel=1e-6)
+    ran = {r.name: r.ran for r in acc.compile_report().regions}
+    assert ran == {"BreakingEncoderBlock": "jit", "DecoderBlock": "precompiled"}
+    assert "not one whole graph ahead of time" in acc.compile_report().table()
