@@ -56,3 +56,26 @@ def test_switching_checkpointing_after_prepare_recompiles_and_keeps_eagers_losse
     assert not region.graph_breaks
     assert any("gradient_checkpointing" in reason for reason in region.recompile_reasons), region.recompile_reasons
     assert region.graphs == 3  # off, non-reentrant, reentrant; the last phase reuses the first graph
+
+
+def test_activation_checkpointing_of_every_nth_layer_compiles_each_kind_of_layer_once_with_eagers_gradients():
+    # transformers 5.25's `activation_checkpointing_enable(every_n_layers=2)` (the new name of
+    # gradient_checkpointing_enable) checkpoints layers 0 and 2 of 4: two kinds of the same class.
+    if not hasattr(tiny_llama(layers=1), "activation_checkpointing_enable"):
+        import pytest
+
+        pytest.skip("this transformers has no activation_checkpointing_enable")
+    torch.manual_seed(0)
+    eager = tiny_llama(layers=4, width=64, init_std=0.08)
+    model = copy.deepcopy(eager)
+    for net in (eager, model):
+        net.activation_checkpointing_enable(every_n_layers=2)
+    kiln.compile_regions(model, backend="aot_eager", outer_graph=False)
+    ids = torch.randint(1, 97, (4, 32), generator=torch.Generator().manual_seed(1))
+    for net in (eager, model):
+        net(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+    regions = kiln.compile_report(model).regions
+    assert [r.paths for r in regions] == [["model.layers.0", "model.layers.2"], ["model.layers.1", "model.layers.3"]]
+    assert all(r.compiled_calls == 2 and r.eager_calls == 0 and r.graphs == 1 for r in regions)
