@@ -124,12 +124,22 @@ latest-downloads:
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -r requirements-latest.txt
 
-test-latest: latest-downloads
+# The tests marked `latest` always run here (nowhere else); the others only where a release differs
+# from the pinned one (tests/latest_selection.py: every test when transformers, Accelerate, torch or
+# numpy moved, the files that reach peft, diffusers, torchao, DeepSpeed or torchdata when only they did).
+test-latest: latest-downloads $(DEV_STAMP)
 	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	@echo "test-latest resolved:"; $(LATEST_VENV)/bin/python -m pip list --format freeze 2>/dev/null | \
 		grep -iE '^(torch|transformers|kernels|accelerate|diffusers|peft|torchao|deepspeed|torchdata|huggingface.hub|safetensors|numpy)=='
+	$(PY) -m pip list --format freeze > $(LATEST_VENV)/pinned.txt 2>/dev/null
+	$(LATEST_VENV)/bin/python -m pip list --format freeze > $(LATEST_VENV)/latest.txt 2>/dev/null
 	$(LATEST_VENV)/bin/python -m pytest $(LATEST_TESTS) -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder \
-		-m "$(LATEST_MARKERS)"
+		-m "$(LATEST_MARKERS) and latest"
+	@selected="$$($(LATEST_VENV)/bin/python tests/latest_selection.py $(LATEST_VENV)/pinned.txt \
+		$(LATEST_VENV)/latest.txt $(LATEST_TESTS))" || exit 1; \
+	if [ -z "$$selected" ]; then echo "test-latest: make test ran the rest on these releases"; else \
+		$(LATEST_VENV)/bin/python -m pytest $$selected -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder \
+			-m "$(LATEST_MARKERS) and not latest"; fi
 
 # Every benchmark result committed under benchmarks/results (the CPU ones; about 54 minutes on 2 cores).
 bench: $(DEV_STAMP)
