@@ -47,25 +47,26 @@ def parse_bool(value: str, name: str) -> bool:
     )
 
 
-def parse_outer_graph(value: str, name: str) -> bool | str:
-    """Read an outer-graph setting: "background", "auto" or a boolean."""
+def parse_bool_or_word(value: str, name: str, words: tuple[str, ...]) -> bool | str:
+    """Read a setting that is a boolean or one of `words` (lower case)."""
     lowered = value.strip().lower()
-    if lowered in ("background", "auto"):
+    if lowered in words:
         return lowered
     try:
         return parse_bool(value, name)
     except ValueError:
-        raise ValueError(f"{name}={value!r}: use true, false, background or auto") from None
+        choices = ", ".join(("true", "false", *words[:-1]))
+        raise ValueError(f"{name}={value!r}: use {choices} or {words[-1]}") from None
+
+
+def parse_outer_graph(value: str, name: str) -> bool | str:
+    """Read an outer-graph setting: "background", "auto" or a boolean."""
+    return parse_bool_or_word(value, name, ("background", "auto"))
 
 
 def parse_precompile(value: str, name: str) -> bool | str:
     """Read a precompile setting: "auto" or a boolean."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return parse_bool(value, name)
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: use true, false or auto") from None
+    return parse_bool_or_word(value, name, ("auto",))
 
 
 def parse_tristate(value: str, name: str) -> bool | None:
