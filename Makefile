@@ -129,8 +129,6 @@ latest-downloads:
 # numpy moved, the files that reach peft, diffusers, torchao, DeepSpeed or torchdata when only they did).
 test-latest: latest-downloads $(DEV_STAMP)
 	$(LATEST_VENV)/bin/python -m pip install --quiet --no-deps -e .
-	@echo "test-latest resolved:"; $(LATEST_VENV)/bin/python -m pip list --format freeze 2>/dev/null | \
-		grep -iE '^(torch|transformers|kernels|accelerate|diffusers|peft|torchao|deepspeed|torchdata|huggingface.hub|safetensors|numpy)=='
 	$(PY) -m pip list --format freeze > $(LATEST_VENV)/pinned.txt 2>/dev/null
 	$(LATEST_VENV)/bin/python -m pip list --format freeze > $(LATEST_VENV)/latest.txt 2>/dev/null
 	$(LATEST_VENV)/bin/python -m pytest $(LATEST_TESTS) -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder \

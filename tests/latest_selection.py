@@ -3,8 +3,8 @@
     python tests/latest_selection.py PINNED_FREEZE LATEST_FREEZE PATH...
 
 The two files are `pip list --format freeze` of the pinned environment (.venv, which make test ran)
-and of the lane's. Prints the test files under PATH... to run, one per line, and what differs on
-stderr:
+and of the lane's. Prints the test files under PATH... to run, one per line, and on stderr the
+versions the lane resolved and what differs from the pinned ones:
 - nothing, when every library below resolved to its pinned version: make test ran these tests on
   the same releases;
 - the files that mention a library, when only libraries a few tests use differ (a new peft: the
@@ -35,7 +35,7 @@ def versions(freeze: str) -> dict[str, str]:
     return found
 
 
-def test_files(paths: list[str]) -> list[Path]:
+def files_under(paths: list[str]) -> list[Path]:
     files = []
     for path in map(Path, paths):
         files.extend(sorted(path.rglob("test_*.py")) if path.is_dir() else [path])
@@ -46,9 +46,9 @@ def select(pinned: dict[str, str], latest: dict[str, str], paths: list[str]) -> 
     """(the files to run, the differences as 'name pinned -> latest')."""
     changed = [name for name in WATCHED if pinned.get(name) != latest.get(name)]
     differences = [f"{name} {pinned.get(name)} -> {latest.get(name)}" for name in changed]
-    files = test_files(paths)
     if not changed:
         return [], differences
+    files = files_under(paths)
     if any(name not in NARROW for name in changed):
         return [str(f) for f in files], differences
     pattern = re.compile("|".join(NARROW[name] for name in changed), re.IGNORECASE)
@@ -58,6 +58,7 @@ def select(pinned: dict[str, str], latest: dict[str, str], paths: list[str]) -> 
 def main(argv: list[str]) -> int:
     pinned, latest = (versions(Path(p).read_text()) for p in argv[:2])
     files, differences = select(pinned, latest, argv[2:])
+    print("test-latest resolved: " + ", ".join(f"{name}=={latest.get(name)}" for name in WATCHED), file=sys.stderr)
     print("newest releases against the pinned ones: " + ("; ".join(differences) or "all the same"), file=sys.stderr)
     print("\n".join(files))
     return 0
