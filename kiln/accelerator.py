@@ -102,6 +102,8 @@ class Accelerator(ProcessAPI, CheckpointAPI, TrackingAPI, AccelerateCompat):
                                  "itself: set its loss scaling in the DeepSpeed config's fp16 section")
             self.precision.scaler = None  # the engine scales fp16 losses itself
         self.strategy.check_compile(self.dynamo_plugin)
+        if self.dynamo_plugin is not None and self.dynamo_plugin.enabled and self.strategy.precompiles_by_default:
+            self.dynamo_plugin.precompile_by_default(f"the {self.strategy.name} strategy")
         self.state.mixed_precision = self.precision.mode
         self.state.dynamo_plugin = self.dynamo_plugin
         self.state.fsdp_plugin = self.strategy.plugin if self.is_fsdp2 else None

@@ -310,6 +310,21 @@ class TorchDynamoPlugin:
                              "takes whole graphs only. Set fullgraph=True (or leave it unset), or drop "
                              f"{wanted.split('=')[0]}")
 
+    def precompile_by_default(self, where: str) -> None:
+        """Left unset (argument and environment), precompile becomes "auto" where the strategy shares
+        precompiled regions across processes (`where` names it, for the report): each region is
+        tried as one whole graph ahead of time, compiled once for the job and loaded by the others,
+        and a region that breaks is JIT-compiled as before. fullgraph, when the user left it unset
+        too, goes back to unset, so a break is a fallback there, not an error."""
+        asked_outer = self.outer_graph is True or self.outer_graph == "background"
+        if self.precompile is not None or not self.use_regional_compilation or asked_outer:
+            return
+        self.precompile = "auto"
+        if self._fullgraph_from is None:
+            self.fullgraph = None
+        self.notes.append(f"precompile='auto' (left unset, {where}): whole blocks are compiled ahead of time once "
+                          "and shared; a block that breaks is JIT-compiled. precompile=False turns it off")
+
     @property
     def enabled(self) -> bool:
         return not self.disable

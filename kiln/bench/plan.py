@@ -83,7 +83,8 @@ SUITE_VARIANTS = {
                 "precompiled-warm-copy", "background-cold", "accelerate-regional", "busy-eager",
                 "busy-regional-cold", "busy-background-cold", "full-cold", "parallel-cold", "default-cold",
                 "parallel-default-cold", "outer-cold", "outer-background-cold"),
-    "local-processes": ("eager", "regional-cold", "precompiled-cold", "precompiled-two-machines"),
+    "local-processes": ("eager", "regional-cold", "precompiled-cold", "default-cold", "precompiled-two-machines",
+                        "default-two-machines"),
     "nd-parallel": ("ddp", "fsdp2", "hsdp", "tp-fsdp2", "cp-fsdp2"),  # kiln.bench.nd_parallel.layout
 }
 

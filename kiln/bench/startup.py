@@ -18,7 +18,8 @@ Accelerator and (for one variant) Accelerate. Variants (what the Kiln cache fold
                             outer graph once a helper has compiled it into the empty Inductor folder
     parallel-cold           parallel_compile=True, an empty folder: step 1 eager while a pool of helpers
                             compiles the region groups side by side, a wait, compiled from step 2
-    default-cold            regional-cold as most users leave it: fullgraph and dynamic unset (JIT)
+    default-cold            regional-cold as most users leave it: fullgraph and dynamic unset (JIT on
+                            one process; under DDP, Kiln's default there: precompile="auto")
     parallel-default-cold   default-cold with parallel_compile=True: under fullgraph=False the helpers
                             fill the compile caches side by side, and training compiles warm at step 2
     accelerate-regional     Accelerate's own regional compile, an empty Inductor folder
@@ -147,13 +148,20 @@ def _measure(row: dict[str, Any], process_start: float, variant: str) -> dict[st
         from kiln import Accelerator, TorchDynamoPlugin
 
         regional = variant != "full-cold"  # a whole model may break its graph: fullgraph for regions only
-        as_left = variant in ("default-cold", "parallel-default-cold")  # fullgraph=False, dynamic unset
+        # fullgraph and dynamic unset, as most users leave them (and the local-processes suite's
+        # default-two-machines: under DDP that is precompile="auto", Kiln's default there)
+        as_left = variant in ("default-cold", "parallel-default-cold", "default-two-machines")
+        local = int(os.environ.get("WORLD_SIZE", "1")) > 1
         outer = variant == "outer-cold"  # the whole model one graph: like full-cold, it may break
         outer_graph = "background" if variant == "outer-background-cold" else outer
-        plugin = TorchDynamoPlugin(backend=row["backend"], fullgraph=regional and not as_left and not outer_graph,
+        plugin = TorchDynamoPlugin(backend=row["backend"],
+                                   fullgraph=None if as_left else regional and not outer_graph,
                                    dynamic=None if as_left else False, use_regional_compilation=regional,
                                    outer_graph=outer_graph,
-                                   precompile=variant.startswith("precompiled") or None,
+                                   # regional-cold is the JIT path, also where several processes
+                                   # would precompile by default
+                                   precompile=(True if variant.startswith("precompiled")
+                                               else False if variant == "regional-cold" and local else None),
                                    compile_in_background=variant == "background-cold",
                                    parallel_compile=variant in ("parallel-cold", "parallel-default-cold"))
         accelerator = Accelerator(dynamo_plugin=plugin, cpu=row["device"] == "cpu")

@@ -35,6 +35,12 @@ class Strategy:
     def check_compile(self, dynamo_plugin: Any) -> None:
         """Refuse, at construction, a compile setting this strategy cannot run."""
 
+    @property
+    def precompiles_by_default(self) -> bool:
+        """Whether precompiled regions are the default under this strategy (precompile left unset
+        becomes "auto"): where several processes compile the same blocks and share the result."""
+        return False
+
     def begin_prepare(self, objects: tuple[Any, ...]) -> None:
         """Told everything one prepare() call holds, before any of it is prepared."""
 

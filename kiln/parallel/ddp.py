@@ -27,6 +27,9 @@ class DDPStrategy(Strategy):
         self.ddp_kwargs = dict(ddp_kwargs or {})  # DistributedDataParallelKwargs' non-default fields
         self.comm_hook = comm_hook
 
+    # Every process runs the same regions: one compiles each ahead of time, the others load it.
+    precompiles_by_default = True
+
     def wrap_model(self, model: nn.Module, block_paths: list[str]) -> nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (a frozen or evaluation-only model)

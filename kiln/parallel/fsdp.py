@@ -108,6 +108,12 @@ class FSDPStrategy(Strategy):
                              "compile as they run")
 
     @property
+    def precompiles_by_default(self) -> bool:
+        # Every process runs the same regions on its own shards, except under context parallelism,
+        # whose ring attention compiles differently on each process (check_compile).
+        return self.cp_mesh is None
+
+    @property
     def saves_shards(self) -> bool:
         return not self.plugin.writes_whole_checkpoints
 

@@ -43,14 +43,15 @@ def test_resume_from_a_precompiled_checkpoint_loads_every_region_with_no_trace(t
 
 
 @pytest.mark.multiprocess
-def test_local_processes_plan_launches_every_process_and_counts_the_whole_trees_cpu(tmp_path, capsys):
+def test_local_processes_plan_launches_every_process_counts_the_whole_trees_cpu_and_precompiles_by_default(tmp_path, capsys):
     status = main(["bench", "--device", "cpu", "--plan", "local-processes", "--models", "tiny", "--backend",
-                   "aot_eager", "--steps", "2", "--processes", "2", "--variants", "precompiled-cold", "--no-plots",
+                   "aot_eager", "--steps", "2", "--processes", "2", "--variants", "default-cold", "--no-plots",
                    "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
     (row,) = read_jsonl(tmp_path / "kiln_bench_local-processes.jsonl")
-    assert (row["processes"], row["variant"], row["ran"]) == (2, "precompiled-cold", "precompiled")
+    # The documented settings: under DDP the regions are precompiled by default, one process compiles.
+    assert (row["processes"], row["variant"], row["ran"]) == (2, "default-cold", "precompiled")
     assert sorted(row["traces"]) == [0, 1] and sorted(row["loaded"]) == [0, 1]  # one compiled, one loaded
     assert row["cpu_s"] > row["first_s"] > 0  # the launcher's and both workers' CPU time
-    assert "| tiny | precompiled-cold | 2 |" in (tmp_path / "kiln_bench_local-processes.md").read_text()
+    assert "| tiny | default-cold | 2 |" in (tmp_path / "kiln_bench_local-processes.md").read_text()

@@ -1,5 +1,6 @@
 """One "machine" of a two-machine job on this host (test_compile_sharing.py): a tiny Llama under DDP with
-precompiled regions (aot_eager), its own Kiln and Inductor folders; writes what it compiled, received and
+regional compilation on the documented settings (aot_eager; precompiled regions are DDP's default), or
+with --precompile-true precompile=True and fullgraph=True asked for, its own Kiln and Inductor folders; writes what it compiled, received and
 ran, and its losses, to <out>.<rank>.json. With --reference, rank 0 also trains the plain PyTorch loop."""
 
 import argparse
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=None, help="save_state to --checkpoint after this many steps")
     parser.add_argument("--resume", action="store_true", help="load_state from --checkpoint, then its later steps")
     parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--precompile-true", action="store_true", help="precompile=True, fullgraph=True asked for")
     args = parser.parse_args()
     node = int(os.environ["GROUP_RANK"])
     if args.other_torch and node == 1:
@@ -87,8 +89,11 @@ def main() -> None:
         stall_before_sending()
 
     set_seed(0)
-    plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
-                               use_regional_compilation=True, precompile=True)
+    if args.precompile_true:
+        plugin = TorchDynamoPlugin(backend="aot_eager", fullgraph=True, dynamic=False,
+                                   use_regional_compilation=True, precompile=True)
+    else:  # the documented settings, nothing about precompiling or whole graphs
+        plugin = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=True)
     acc = Accelerator(dynamo_plugin=plugin)
     model = tiny_llama(layers=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -124,7 +129,8 @@ def main() -> None:
               "jit_calls": sum(r.backend.calls for r in regions),
               "artifacts": [p.name for r in regions for p in sorted(r.precompiled.directory.glob("*.kpc"))],
               "share_seconds": sum(s.share_seconds for s in stats),
-              "traces": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+              "traces": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+              "precompile": plugin.precompile, "plugin_notes": list(plugin.notes)}
     if args.resume:
         record["load_warnings"] = load_warnings
     if acc.process_index == 0:  # evaluation on one process: a signature the other machine never meets

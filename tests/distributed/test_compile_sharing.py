@@ -81,7 +81,12 @@ def forked_machines(folder: Path, *flags: str, share_timeout_s: float, timeout: 
 
 
 def test_each_signature_is_compiled_on_one_machine_and_received_by_the_other(agents):
+    # The documented settings (TorchDynamoPlugin(backend, use_regional_compilation=True)) and nothing
+    # more: under DDP, precompile left unset is "auto", and each block that traces whole is shared.
     (first, second), logs, folder = agents
+    for record in (first, second):
+        assert record["precompile"] == "auto"
+        assert any(n.startswith("precompile='auto' (left unset, the ddp strategy)") for n in record["plugin_notes"])
     compiler, receiver = (first, second) if first["compiled"] else (second, first)
     assert compiler["compiled"] == 1 and receiver["compiled"] == 0, (first, second)  # tiny Llama: one signature
     assert receiver["received"] == 1 and receiver["loaded"] == 1
@@ -170,7 +175,7 @@ def test_a_machine_with_another_torch_compiles_for_itself_with_one_message(other
 
 
 def test_machines_that_meet_different_signatures_each_compile_with_one_warning(tmp_path):
-    codes, outputs, _, out = forked_machines(tmp_path, "--uneven", share_timeout_s=120)
+    codes, outputs, _, out = forked_machines(tmp_path, "--uneven", "--precompile-true", share_timeout_s=120)
     assert codes == [0, 0], outputs[0][-4000:] + outputs[1][-4000:]
     for record, output in zip(records(out), outputs):
         assert record["compiled"] == 1 and record["received"] == 0 and record["precompiled_calls"] == 6
@@ -180,7 +185,7 @@ def test_machines_that_meet_different_signatures_each_compile_with_one_warning(t
 
 
 def test_a_machine_that_dies_at_the_transfer_fails_the_job_naming_the_timeout(tmp_path):
-    codes, outputs, seconds, _ = forked_machines(tmp_path, "--die", share_timeout_s=20, timeout=90)
+    codes, outputs, seconds, _ = forked_machines(tmp_path, "--die", "--precompile-true", share_timeout_s=20, timeout=90)
     assert codes[1] == 3, outputs[1][-3000:]
     assert codes[0] not in (0, None), outputs[0][-3000:]
     assert "CompileShareError" in outputs[0] and "KILN_COMPILE_SHARE_TIMEOUT=20 s" in outputs[0], outputs[0][-3000:]

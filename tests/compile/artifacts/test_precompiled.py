@@ -608,3 +608,39 @@ def test_accelerator_with_precompile_auto_trains_like_eager_with_no_warning(tmp_
     ran = {r.name: r.ran for r in acc.compile_report().regions}
     assert ran == {"BreakingEncoderBlock": "jit", "DecoderBlock": "precompiled"}
     assert "not one whole graph ahead of time" in acc.compile_report().table()
+
+
+def test_multi_process_strategies_default_precompile_to_auto_and_leave_what_the_user_set():
+    from kiln.parallel.base import SingleProcess, Strategy
+    from kiln.parallel.ddp import DDPStrategy
+    from kiln.parallel.deepspeed import DeepSpeedStrategy
+    from kiln.parallel.fsdp import FSDPStrategy
+    from kiln.parallel.fsdp_plugin import FullyShardedDataParallelPlugin
+
+    def defaulted(**settings):
+        plugin = TorchDynamoPlugin(environ={}, **settings)
+        plugin.precompile_by_default("the ddp strategy")
+        return plugin
+
+    plain = defaulted(use_regional_compilation=True)
+    assert plain.precompile == "auto" and plain.fullgraph is None
+    assert plain.notes[-1].startswith("precompile='auto' (left unset, the ddp strategy)")
+    # fullgraph=True stays (a break fails loudly); precompile=False, an outer graph and a whole-model
+    # compile keep their meaning; so does the environment's precompile setting.
+    strict = defaulted(use_regional_compilation=True, fullgraph=True)
+    assert strict.precompile == "auto" and strict.fullgraph is True
+    for settings in ({"use_regional_compilation": True, "precompile": False},
+                     {"use_regional_compilation": True, "outer_graph": True}, {}):
+        plugin = defaulted(**settings)
+        assert plugin.precompile in (None, False) and not any("left unset" in n for n in plugin.notes), settings
+    from_env = TorchDynamoPlugin(use_regional_compilation=True, environ={"KILN_DYNAMO_PRECOMPILE": "0"})
+    from_env.precompile_by_default("the ddp strategy")
+    assert from_env.precompile is False and from_env.fullgraph is False
+    # Which strategies: DDP and FSDP2 (not with context parallelism); not one process, not DeepSpeed.
+    cpu = torch.device("cpu")
+    fsdp = FSDPStrategy(FullyShardedDataParallelPlugin(), cpu)
+    assert DDPStrategy(cpu).precompiles_by_default and fsdp.precompiles_by_default
+    fsdp.cp_mesh = object()
+    assert not fsdp.precompiles_by_default
+    assert not SingleProcess().precompiles_by_default
+    assert DeepSpeedStrategy.precompiles_by_default is Strategy.precompiles_by_default  # the base's: False
