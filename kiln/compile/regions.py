@@ -551,8 +551,6 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
     # learns the region from PROGRESS, restored on the way out.
     def forward(module, *args, **kwargs):
         outer = PROGRESS.enter(region.name)  # names the region in the live compile line
-        if not region.invocations:
-            isa_probe.start_if_armed()  # the CPU probe, from the first compiled call on (_start_cpu_probe)
         try:
             handed_back = False  # a signature the background helper gave back to the JIT path
             precompiled = region.precompiled
@@ -569,6 +567,10 @@ def _region_forward(region: CompiledRegion, compiled: Callable) -> Callable:
                     if output is not _NOT_RUN:
                         region.invocations += 1
                         return output
+            if not region.invocations:
+                # The CPU probe (isa_probe.py), at the first JIT call; the precompiled path starts it
+                # where it compiles or loads, after another machine's probe builds may have arrived.
+                isa_probe.start_if_armed()
             graphs, calls = len(backend.graphs), backend.calls
             if kwargs:
                 kwargs = _with_block_caches(region, module, kwargs)

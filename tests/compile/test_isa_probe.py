@@ -106,6 +106,8 @@ def test_a_load_that_succeeded_is_remembered_and_anything_else_asks_again(privat
     reference = run(shared)  # builds the probe libraries once for the session (gcc is slow)
     inductor = tmp_path / "inductor"
     for path in cpu_probe_builds(shared):  # the libraries and sources, without any record
+        if path.name.endswith(isa_probe.RECORD_SUFFIX):
+            continue
         target = inductor / path.relative_to(shared)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(path.read_bytes())

@@ -44,6 +44,7 @@ SKIPPED_SUFFIXES = (".lock", ".tmp")
 SKIPPED_PARTS = (".aotautograd",)
 # Header fields the envelope and the signature add (`seal`).
 ENVELOPE_FIELDS = ("payload_sha256", "payload_bytes", "signed_by", "signature")
+PROBE_RECORD_SUFFIX = ".kiln-load"  # isa_probe.RECORD_SUFFIX (not imported: the probe imports Inductor)
 PROBE_SOURCE_MAX_BYTES = 4096  # Inductor's CPU probe sources are 150-460 bytes (torch 2.13)
 
 
@@ -160,6 +161,9 @@ def cpu_probe_builds(inductor_dir: Path) -> list[Path]:
     kernels are `<key>.main.cpp`), unless the library is there. They are not in CppCodeCache's
     caches, and without them a fresh machine's warm start runs gcc about 8 times (5 s of a 7.5 s
     resume on this project's CPU). Recognised by that name and a source of a few hundred bytes.
+    With each library, Kiln's record of a load that succeeded (`<library>.kiln-load`, isa_probe.py)
+    where there is one: a machine whose libraries, interpreter and CPU match its fingerprint (one
+    image on identical hosts) then skips the load's new process too; any other asks again.
     """
     if not inductor_dir.is_dir():
         return []
@@ -174,6 +178,9 @@ def cpu_probe_builds(inductor_dir: Path) -> list[Path]:
         except OSError:
             continue
         builds.extend((source, library))
+        record = library.with_name(library.name + PROBE_RECORD_SUFFIX)
+        if record.is_file():
+            builds.append(record)
     return sorted(builds)
 
 

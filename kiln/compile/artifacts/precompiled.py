@@ -452,9 +452,12 @@ class PrecompiledRegion:
         return fn
 
     def _wait_for_isa_probe(self) -> None:
-        """Inductor code, loaded or compiled, needs the CPU probe's answers (isa_probe.py); other
-        backends do not wait for it."""
+        """Inductor code, loaded or compiled, needs the CPU probe's answers (isa_probe.py): started
+        here, not at the region's first call, so that on a machine that receives its code from
+        another (sharing.py) it starts after the other machine's probe builds were installed. Other
+        backends neither start nor wait for it."""
         if self.compile_kwargs.get("backend", "inductor") == "inductor":
+            isa_probe.start_if_armed()
             isa_probe.wait()
 
     def _reject(self, path: Path, problem: str) -> None:

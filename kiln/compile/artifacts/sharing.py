@@ -189,13 +189,16 @@ class CompileSharing:
         return loaded_kernel_folders(self.cache.inductor_dir_in_use)
 
     def _payload(self, path: Path | None, kernels_before: set[Path], device: torch.device) -> bytes | None:
-        """The artifact and the CPU kernels its load or compile brought in, packed; None without one."""
+        """The artifact, the CPU kernels its load or compile brought in and the CPU probe's builds
+        (bundle.cpu_probe_builds: without them a receiving machine runs gcc about 8 times before it
+        can load the kernels), packed; None without an artifact."""
         if path is None or not path.is_file() or not path.is_relative_to(self.cache.directory):
             return None
         files = bundle.named_files([path], self.cache.directory, bundle.KILN_PREFIX)
         inductor = self.cache.inductor_dir_in_use
         for folder in self._kernel_folders() - kernels_before:
             files.update(bundle.named_files(bundle.files_under(folder), inductor, bundle.INDUCTOR_PREFIX))
+        files.update(bundle.named_files(bundle.cpu_probe_builds(inductor), inductor, bundle.INDUCTOR_PREFIX))
         return pack_bundle(files, [], device)
 
     def _collective(self, region: str, digest: str, step: Callable[[Any], Any]) -> Any:
