@@ -1,8 +1,8 @@
 """Compile artifacts that travel with a checkpoint: the files one job's warm start needs, packed into one
 checked file with the key they are valid for, and installed into another machine's empty caches.
 
-Depends on torch, kiln.compile.artifacts.cache and cache_key only; never on kiln.checkpoint (which
-reaches this through CompileSession), the facade or a strategy.
+Depends on torch, kiln.compile.isa_probe, kiln.compile.artifacts.cache and cache_key only; never on
+kiln.checkpoint (which reaches this through CompileSession), the facade or a strategy.
 
 What is packed (names inside the bundle, relative to the folder they are installed into):
     kiln/<key>.kiln                 Kiln's cache entries of the job's models (FX graph and AOTAutograd
@@ -31,6 +31,7 @@ from typing import Any, Iterable
 
 import torch
 
+from kiln.compile import isa_probe
 from kiln.compile.artifacts.cache import CompileCache, CorruptEntryError, pack_envelope, read_envelope, write_atomically
 from kiln.compile.artifacts.cache_key import device_name, triton_version
 from kiln.compile.artifacts.trust import key_id, signature, signature_problem, untrusted_message
@@ -44,7 +45,6 @@ SKIPPED_SUFFIXES = (".lock", ".tmp")
 SKIPPED_PARTS = (".aotautograd",)
 # Header fields the envelope and the signature add (`seal`).
 ENVELOPE_FIELDS = ("payload_sha256", "payload_bytes", "signed_by", "signature")
-PROBE_RECORD_SUFFIX = ".kiln-load"  # isa_probe.RECORD_SUFFIX (not imported: the probe imports Inductor)
 PROBE_SOURCE_MAX_BYTES = 4096  # Inductor's CPU probe sources are 150-460 bytes (torch 2.13)
 
 
@@ -167,6 +167,9 @@ def cpu_probe_builds(inductor_dir: Path) -> list[Path]:
     """
     if not inductor_dir.is_dir():
         return []
+    # Kiln's probe threads may still be building (gcc writes its library in place): taken mid-write,
+    # a library's digest in the manifest or its bytes in a bundle would be a fragment's.
+    isa_probe.wait()
     builds = []
     for source in inductor_dir.glob("*/c*.cpp"):
         library = source.with_suffix(".so")
@@ -178,7 +181,7 @@ def cpu_probe_builds(inductor_dir: Path) -> list[Path]:
         except OSError:
             continue
         builds.extend((source, library))
-        record = library.with_name(library.name + PROBE_RECORD_SUFFIX)
+        record = library.with_name(library.name + isa_probe.RECORD_SUFFIX)
         if record.is_file():
             builds.append(record)
     return sorted(builds)
