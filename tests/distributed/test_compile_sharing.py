@@ -185,7 +185,7 @@ def test_machines_that_meet_different_signatures_each_compile_with_one_warning(t
 
 
 def test_a_machine_that_dies_at_the_transfer_fails_the_job_naming_the_timeout(tmp_path):
-    codes, outputs, seconds, _ = forked_machines(tmp_path, "--die", "--precompile-true", share_timeout_s=20, timeout=90)
+    codes, outputs, seconds, _ = forked_machines(tmp_path, "--die", share_timeout_s=20, timeout=90)
     assert codes[1] == 3, outputs[1][-3000:]
     assert codes[0] not in (0, None), outputs[0][-3000:]
     assert "CompileShareError" in outputs[0] and "KILN_COMPILE_SHARE_TIMEOUT=20 s" in outputs[0], outputs[0][-3000:]
