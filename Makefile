@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 RUN_STAMP := $(VENV)/.installed-run
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test test-fast test-warm-starts test-bench test-accelerate-examples test-torch-matrix matrix-downloads latest-downloads test-latest bench clean
+.PHONY: setup demo test test-fast test-warm-starts test-long-launches test-bench test-accelerate-examples test-torch-matrix matrix-downloads latest-downloads test-latest bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ demo: $(RUN_STAMP)
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
 PYTEST_PARALLEL := $(PY) -m pytest tests -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder
 
-LANES := not accelerate_examples and not latest and not bench_runs and not warm_starts
+LANES := not accelerate_examples and not latest and not bench_runs and not warm_starts and not long_launches
 
 test: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "not serial and $(LANES)"
@@ -51,6 +51,13 @@ test: $(DEV_STAMP)
 # parity test (tests/compile/test_inductor.py); CI runs these after make test (.ci/run).
 test-warm-starts: $(DEV_STAMP)
 	$(PYTEST_PARALLEL) -m "warm_starts and not serial"
+
+# The five longest tests of the default suite (marker long_launches, 20-50 s each on 2 cores: tensor
+# parallel inside FSDP2 with its resumes, fp8 under FSDP2 and under tensor parallel, DeepSpeed ZeRO-3's
+# universal-checkpoint resume, the Stable Diffusion UNet with its resnets as regions): about 75 s of
+# make test's wall time, which they would take past its 12 minutes; CI runs them after make test.
+test-long-launches: $(DEV_STAMP)
+	$(PYTEST_PARALLEL) -m "long_launches and not serial"
 
 # kiln bench's real rows (tests/cli/test_bench_rows.py, test_bench_warm_start.py): whole bench runs
 # in child processes, cold and warm starts with Inductor, a launch. They test the benchmark tool, not

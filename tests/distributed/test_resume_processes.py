@@ -114,6 +114,7 @@ def test_damaged_or_foreign_fsdp2_checkpoints_are_named_errors(tmp_path, uninter
     assert "is damaged: sharded_model_0/__0_0.distcp has" in truncated and "the save wrote" in truncated
 
 
+@pytest.mark.long_launches
 def test_deepspeed_zero3_resumes_on_more_processes_through_its_universal_checkpoint(tmp_path):
     # Saved by 2 processes, resumed by 3 (DeepSpeed needs two or more): Kiln converts the ZeRO-3
     # shards with DeepSpeed's own converter (AdamW: it reads Adam-family state only). The oracle is

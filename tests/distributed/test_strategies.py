@@ -188,6 +188,7 @@ def test_ddp_with_an_outer_graph_matches_the_plain_loop(shared_run):
     assert_close(plain["losses"], run["losses"])
 
 
+@pytest.mark.long_launches
 def test_fp8_under_fsdp2_gives_ddps_numbers_with_every_block_compiled(shared_run):
     """torchao's Float8Linear sharded with FSDP2 (weights gathered, then cast to float8 inside each
     compiled block), 20 steps. DDP's numbers exactly while both round alike; after that a one-ulp
@@ -206,6 +207,7 @@ def test_fp8_under_fsdp2_gives_ddps_numbers_with_every_block_compiled(shared_run
     assert_close(single["losses"], sharded["losses"], 2e-2)
 
 
+@pytest.mark.long_launches
 def test_fp8_under_tensor_parallel_trains_like_fp8_on_one_process_with_every_block_compiled(shared_run):
     """torchao's float8 layers split by its float8-aware styles (tp_size=2): the scales are taken
     over whole DTensors, as one process takes them; the one difference is autocast's bf16 rounding of
@@ -236,6 +238,7 @@ def test_hsdp_on_four_processes_matches_the_plain_loop_and_resumes_under_tensor_
     assert_close(hsdp["losses"][1:], resumed["losses"], 1e-5)
 
 
+@pytest.mark.long_launches
 def test_tensor_parallel_alone_and_inside_fsdp2_match_the_plain_loop_and_resume_on_other_meshes(tmp_path, shared_run):
     """tp_size=2 on two processes (each block's projections split, every block compiled), and
     dp_shard_size=2 x tp_size=2 on four (FSDP2 over the shard groups of tensor-parallel blocks):

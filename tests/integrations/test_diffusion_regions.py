@@ -58,6 +58,7 @@ def _assert_every_call_compiled(unet):
     return report
 
 
+@pytest.mark.long_launches
 def test_sd_unet_with_resnets_as_regions_runs_every_call_compiled_and_trains_like_eager():
     eager = tiny_sd_unet()
     expected_losses, expected_validation = _train_then_validate(eager, _sd_call)
