@@ -262,7 +262,7 @@ class TorchDynamoPlugin:
             raise TypeError(f"TorchDynamoPlugin.outer_graph must be a bool, 'background' or 'auto', got "
                             f"{self.outer_graph!r}")
         # "auto" is decided where the model is compiled (per-block regions alone beside precompile).
-        asked = self.outer_graph is True or self.outer_graph == "background"
+        asked = self.outer_graph_asked
         if asked and not self.use_regional_compilation:
             raise ValueError(f"outer_graph={self.outer_graph!r} compiles the model around its regions: set "
                              "use_regional_compilation=True with it")
@@ -316,8 +316,7 @@ class TorchDynamoPlugin:
         tried as one whole graph ahead of time, compiled once for the job and loaded by the others,
         and a region that breaks is JIT-compiled as before. fullgraph, when the user left it unset
         too, goes back to unset, so a break is a fallback there, not an error."""
-        asked_outer = self.outer_graph is True or self.outer_graph == "background"
-        if self.precompile is not None or not self.use_regional_compilation or asked_outer:
+        if self.precompile is not None or not self.use_regional_compilation or self.outer_graph_asked:
             return
         self.precompile = "auto"
         if self._fullgraph_from is None:
@@ -328,6 +327,11 @@ class TorchDynamoPlugin:
     @property
     def enabled(self) -> bool:
         return not self.disable
+
+    @property
+    def outer_graph_asked(self) -> bool:
+        """An outer graph asked for by name (True or "background"), not left to "auto"."""
+        return self.outer_graph is True or self.outer_graph == "background"
 
     def to_compile_kwargs(self) -> dict[str, Any]:
         """The keywords for `torch.compile` / `kiln.compile_regions`, exactly as validated."""

@@ -82,9 +82,8 @@ class CompileSession:
         if self.cache is not None:
             # "auto" starts on the per-block regions that False compiles (its outer graph's entries are
             # Inductor's, found by content): a job saved on the defaults resumes warm with it off.
-            asked = plugin.outer_graph is True or plugin.outer_graph == "background"
             settings = {**kwargs, **context, "regional": plugin.use_regional_compilation,
-                        **({"outer_graph": plugin.outer_graph} if asked else {})}
+                        **({"outer_graph": plugin.outer_graph} if plugin.outer_graph_asked else {})}
             key = self.cache.key(model, settings, device)
             if self.is_local_main:  # before anything of this job is compiled or loaded, the CPU probe's too
                 self._check_recorded_files(key)

@@ -140,8 +140,7 @@ class SingleProcess(Strategy):
 def refuse_outer_graph(dynamo_plugin: Any, strategy: str) -> None:
     """A strategy whose hooks gather or shard around each block (FSDP2, DeepSpeed) needs each block
     its own region: one graph around them would have to trace those hooks."""
-    asked = getattr(dynamo_plugin, "outer_graph", False)
-    if dynamo_plugin is not None and dynamo_plugin.enabled and (asked is True or asked == "background"):
+    if dynamo_plugin is not None and dynamo_plugin.enabled and dynamo_plugin.outer_graph_asked:
         raise NotImplementedError(f"TorchDynamoPlugin(outer_graph={dynamo_plugin.outer_graph!r}) is not supported under "
                                   f"{strategy}, whose hooks "
                                   "run around each block; use regional compilation without it (outer_graph=False)")
