@@ -66,7 +66,7 @@ class TrackedBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
         start = time.perf_counter()
         if isinstance(self.inner, torch._TorchCompileInductorWrapper):
-            isa_probe.wait()  # Inductor's CPU probe, if Kiln started it (isa_probe.py)
+            isa_probe.wait_before_compile()  # Inductor's CPU probe, if Kiln started it (isa_probe.py)
         with PROGRESS.backend_compile(self.name):  # the live compile line (progress.py)
             compiled = self.inner(gm, example_inputs)
         nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" or n.op == "call_method")

@@ -9,17 +9,27 @@ import sys
 import pytest
 
 SCRIPT = """
-import json, subprocess, sys
+import json, subprocess, sys, threading
 from kiln.compile import isa_probe
 from torch._inductor import cpu_vec_isa
-if sys.argv[1] == "kiln":
-    isa_probe.start()
-    isa_probe.wait()
+inductors = cpu_vec_isa.valid_vec_isa_list
 calls = []
 real = subprocess.run
-subprocess.run = lambda *a, **k: calls.append(a) or real(*a, **k)
-answer = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-print(json.dumps({"isas": answer, "probes_after": len(calls)}))
+def counting(*a, **k):  # a question Inductor asks on this thread, not on the probe's
+    if threading.current_thread() is threading.main_thread():
+        calls.append(a)
+    return real(*a, **k)
+subprocess.run = counting
+if sys.argv[1] != "inductor":
+    isa_probe.start()
+    waits_when_asked = cpu_vec_isa.valid_vec_isa_list is not inductors
+    if sys.argv[1] == "kiln":
+        isa_probe.wait()
+    else:  # "kiln-asked": Inductor asks while the probe runs
+        assert isa_probe._thread.is_alive() or isa_probe._thread.ident is None
+answer = [str(cpu_vec_isa.pick_vec_isa())] + [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+print(json.dumps({"isas": answer, "probes_after": len(calls), "done": not isa_probe._thread or not isa_probe._thread.is_alive(),
+                  "inductors_back": cpu_vec_isa.valid_vec_isa_list is inductors}))
 """
 
 
@@ -38,6 +48,19 @@ def test_probe_gives_inductors_own_answers_and_inductor_does_not_ask_again(priva
     serial = run("inductor")
     assert kiln["isas"] == serial["isas"] and kiln["isas"]  # the same instruction sets, found
     assert serial["probes_after"] > 0 and kiln["probes_after"] == 0
+    assert kiln["inductors_back"] and serial["inductors_back"]
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="Inductor probes x86 Linux only")
+def test_inductors_question_asked_while_the_probe_runs_waits_for_its_answers(tmp_path):
+    # Kiln's compile waits for the probe only where Inductor asks (isa_probe._wait_when_asked): asked
+    # early, the question waits, takes the probe's answers without asking again, and Inductor's own
+    # function is back afterwards. An empty Inductor folder: the probe is still building when asked.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", SCRIPT, "kiln-asked"], capture_output=True, text=True, env=env,
+                         timeout=300, check=True)
+    asked = json.loads(out.stdout.strip().splitlines()[-1])
+    assert asked["isas"] and asked["probes_after"] == 0 and asked["done"] and asked["inductors_back"]
 
 
 STARTS = """
