@@ -14,8 +14,10 @@ Where the wait happens: Inductor asks its question in `cpu_vec_isa.valid_vec_isa
 and the first lowering. While the probe runs, that function waits for it first (`_wait_when_asked`)
 and then puts Inductor's own function back, so that work overlaps the probe's builds instead of
 waiting ahead of it (a 6-layer Llama's cold first step, torch 2.13, 2 cores: the wait fell from
-4.2 s to 0.5-1.0 s and the step from 14.1 s to 13.5 s, five runs each). Where that function is
-missing, `wait_before_compile` waits at the start of Kiln's Inductor compile (the stable path).
+4.2 s to 0.5-1.0 s and the step from 14.1 s to 13.5 s, five runs each). `wait_before_compile`
+waits at the start of Kiln's Inductor compile instead (the stable path) where that function is
+missing, and on one core, where nothing is idle to overlap (the same step, `taskset -c 0`: 23.3 s
+overlapped against 22.6 s waiting first, six runs each).
 
 Each question ends in a new Python process that loads the probe library against libtorch (about
 0.3 s of CPU each, ten of them here), and a warm start pays them again beside its load. Where
@@ -81,7 +83,7 @@ def start() -> None:
         # "cannot join thread before it is started" (seen once in the torch 2.11 matrix).
         thread.start()
         _thread = thread
-        if candidates:
+        if candidates and _usable_cores() > 1:  # on one core nothing is idle to overlap
             _wait_when_asked()
 
 
@@ -94,6 +96,13 @@ def wait() -> None:
     if thread.is_alive():
         _import_generated_code_runtime()
     thread.join()
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def wait_before_compile() -> None:
