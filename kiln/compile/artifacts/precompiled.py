@@ -451,14 +451,18 @@ class PrecompiledRegion:
         self.stats.load_seconds += time.perf_counter() - start
         return fn
 
-    def _wait_for_isa_probe(self) -> None:
+    def _wait_for_isa_probe(self, compiling: bool = False) -> None:
         """Inductor code, loaded or compiled, needs the CPU probe's answers (isa_probe.py): started
         here, not at the region's first call, so that on a machine that receives its code from
-        another (sharing.py) it starts after the other machine's probe builds were installed. Other
-        backends neither start nor wait for it."""
+        another (sharing.py) it starts after the other machine's probe builds were installed. A
+        compile waits where Inductor asks (its trace and lowering run beside the probe's builds);
+        a load, which has little else to do, waits now. Other backends neither start nor wait for it."""
         if self.compile_kwargs.get("backend", "inductor") == "inductor":
             isa_probe.start_if_armed()
-            isa_probe.wait()
+            if compiling:
+                isa_probe.wait_before_compile()
+            else:
+                isa_probe.wait()
 
     def _reject(self, path: Path, problem: str) -> None:
         warnings.warn(f"precompiled artifact {path} not used: {problem}; compiling it again "
@@ -479,7 +483,7 @@ class PrecompiledRegion:
                 p.grad = None
             hits = autograd_cache_hits()
             private = private_autograd_cache(self.directory / ".aotautograd" / signature_digest(signature))
-            self._wait_for_isa_probe()
+            self._wait_for_isa_probe(compiling=True)
             # torch 2.13's ahead-of-time compile runs no Dynamo compile callbacks: name it for the live line.
             with as_class(module, self.block_class), private, PROGRESS.backend_compile(self.name, phase="forward and backward"):
                 compiled = compile_ahead_of_time(entry, examples, **kw)
