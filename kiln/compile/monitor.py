@@ -58,6 +58,7 @@ class CompileMonitor:
         self._by_frame: dict[str, Watched] = {}
         self._seen: set[tuple[Any, Any]] = set()
         self._breaks_seen: Counter = Counter()
+        self._breaks_counter: Counter | None = None  # Dynamo's own Counter the counts were read from
 
     def watch(self, region: Watched) -> None:
         self._by_label[region.label] = region
@@ -91,9 +92,14 @@ class CompileMonitor:
 
     def take_graph_breaks(self, region: Watched) -> None:
         """Graph breaks counted by Dynamo since the last look belong to the region that just ran."""
-        now = Counter(torch._dynamo.utils.counters["graph_break"])
-        if any(now[k] < count for k, count in self._breaks_seen.items()):
-            self._breaks_seen = Counter()  # someone cleared Dynamo's counters
+        dynamos = torch._dynamo.utils.counters["graph_break"]
+        now = Counter(dynamos)
+        # Someone cleared Dynamo's counters: `counters.clear()` (torch's test case, a test harness)
+        # gives a new Counter, which may since have counted back up to the old numbers; a clear of the
+        # Counter itself shows as fewer breaks.
+        if dynamos is not self._breaks_counter or any(now[k] < count for k, count in self._breaks_seen.items()):
+            self._breaks_seen = Counter()
+            self._breaks_counter = dynamos
         new = now - self._breaks_seen
         self._breaks_seen = now
         region.graph_breaks.update(new)

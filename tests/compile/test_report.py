@@ -59,6 +59,23 @@ def test_report_counts_a_planted_graph_break_with_its_reason():
     assert region.compiled_calls >= 2 and region.eager_calls == 0
 
 
+def test_a_graph_break_after_dynamos_counters_were_cleared_is_still_counted():
+    # torch's own test case and test harnesses clear Dynamo's counters; the same break counted up to
+    # the same number again afterwards was taken for nothing new (a region reported no breaks).
+    first = nn.Sequential(BreakingBlock())
+    compile_regions(first, backend="aot_eager", fullgraph=False)
+    first(torch.randn(2, 8))
+    before = dict(torch._dynamo.utils.counters["graph_break"])
+    assert sum(compile_report(first).regions[0].graph_breaks.values()) >= 1
+    torch._dynamo.utils.counters.clear()
+    torch._dynamo.reset()  # the same block class traces again
+    second = nn.Sequential(BreakingBlock())
+    compile_regions(second, backend="aot_eager", fullgraph=False)
+    second(torch.randn(2, 8))
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == before  # back up to the same counts
+    assert compile_report(second).regions[0].graph_breaks == compile_report(first).regions[0].graph_breaks
+
+
 def test_report_counts_a_planted_recompile_with_its_reason():
     model = EncoderDecoder()
     compile_regions(model, backend="aot_eager", dynamic=False)
