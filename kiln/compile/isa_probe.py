@@ -1,6 +1,6 @@
 """Inductor's CPU vector-instruction probe, asked side by side on threads instead of one by one.
 
-Depends on torch only. A fresh process's first Inductor compile or load for the CPU asks which
+Depends on torch and kiln.compile.cores only. A fresh process's first Inductor compile or load for the CPU asks which
 vector instruction sets (AMX, AVX512-VNNI, AVX512, AVX2, ...) this CPU and its C++ compiler both
 support: for each one Inductor builds a probe library and loads it in a new Python process, one
 after another (torch 2.13, 2 cores: 2.4 s, most of a 2.9 s precompiled warm start's first step;
@@ -44,6 +44,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kiln.compile.cores import free_cores
+
 _thread: threading.Thread | None = None
 _lock = threading.Lock()
 _armed = False
@@ -83,7 +85,7 @@ def start() -> None:
         # "cannot join thread before it is started" (seen once in the torch 2.11 matrix).
         thread.start()
         _thread = thread
-        if candidates and _usable_cores() > 1:  # on one core nothing is idle to overlap
+        if candidates and free_cores() > 1:  # on one core nothing is idle to overlap
             _wait_when_asked()
 
 
@@ -96,13 +98,6 @@ def wait() -> None:
     if thread.is_alive():
         _import_generated_code_runtime()
     thread.join()
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def wait_before_compile() -> None:

@@ -21,9 +21,9 @@ from kiln.compile import isa_probe
 from kiln.compile.artifacts import manifest
 from kiln.compile.artifacts.bundle import Vouch, bundle_keys, install_bundle, job_files, vouch_for, write_bundle
 from kiln.compile.artifacts.cache import CompileCache, KilnCacheWarning
-from kiln.compile.artifacts.compile_pool import free_cores
 from kiln.compile.artifacts.sharing import share_across_machines
 from kiln.compile.artifacts.trust import KilnTrustWarning, signing_key
+from kiln.compile.cores import free_cores
 from kiln.compile.monitor import KilnFallbackWarning
 from kiln.compile.progress import PROGRESS
 from kiln.compile.regions import KilnCompileWarning, compile_full, compile_regions, compiled_regions, mark_warm

@@ -29,7 +29,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from kiln.compile import isa_probe
-from kiln.compile.artifacts.compile_pool import CompilePool, free_cores
+from kiln.compile.artifacts.compile_pool import CompilePool
+from kiln.compile.cores import free_cores
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
                "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called",

@@ -20,14 +20,6 @@ from pathlib import Path
 from typing import Any
 
 
-def free_cores() -> int:
-    """The cores this process may run on (its affinity mask, e.g. under `taskset`)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 @dataclass
 class JobTiming:
     """One job of the pool's timeline: seconds are relative to the pool's first job."""
