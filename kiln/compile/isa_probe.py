@@ -1,13 +1,13 @@
 """Inductor's CPU vector-instruction probe, asked side by side on threads instead of one by one.
 
-Depends on torch and kiln.compile.cores only. A fresh process's first Inductor compile or load for the CPU asks which
-vector instruction sets (AMX, AVX512-VNNI, AVX512, AVX2, ...) this CPU and its C++ compiler both
-support: for each one Inductor builds a probe library and loads it in a new Python process, one
-after another (torch 2.13, 2 cores: 2.4 s, most of a 2.9 s precompiled warm start's first step;
-side by side 1.3 s). `start()` asks Inductor the same questions on threads; `wait()` is called
-before Kiln's first compile or load (and imports what the generated code needs meanwhile), so
-Inductor finds its own answers cached instead of asking again. Nothing is changed: the answers
-are Inductor's, computed by Inductor's code.
+Depends on torch and kiln.compile.cores only. A fresh process's first Inductor compile or load for
+the CPU asks which vector instruction sets (AMX, AVX512-VNNI, AVX512, AVX2, ...) this CPU and its
+C++ compiler both support: for each one Inductor builds a probe library and loads it in a new Python
+process, one after another (torch 2.13, 2 cores: 2.4 s, most of a 2.9 s precompiled warm start's
+first step; side by side 1.3 s). `start()` asks Inductor the same questions on threads; `wait()` is
+called before Kiln's first compile or load (and imports what the generated code needs meanwhile), so
+Inductor finds its own answers cached instead of asking again. Nothing is changed: the answers are
+Inductor's, computed by Inductor's code.
 
 Where the wait happens: Inductor asks its question in `cpu_vec_isa.valid_vec_isa_list` (through
 `pick_vec_isa`), late in a compile, after Dynamo's trace, AOTAutograd's joint graph and partition
